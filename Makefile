@@ -1,0 +1,57 @@
+# Tether task runner. `make demo` and `make test` each set up everything first.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-unit test-integration lint typecheck fmt bench clean redis-check proto
+
+setup: $(STAMP) redis-check
+
+$(STAMP): pyproject.toml
+	@test -d $(VENV) || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install -q --upgrade pip
+	@echo "installing tether with dev extras into $(VENV) (first run takes a few minutes)..."
+	@$(BIN)/pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+redis-check:
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "redis-server not found: installing it with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+		systemctl disable --now redis-server >/dev/null 2>&1 || service redis-server stop >/dev/null 2>&1 || true; \
+	else \
+		echo "redis-server is required. Install it with: sudo apt-get install redis-server (or brew install redis)"; \
+		exit 1; \
+	fi
+
+demo: setup
+	$(BIN)/tether run examples/quickstart.yaml --report .tether/reports/quickstart.json
+
+test: setup
+	$(BIN)/pytest -q
+
+test-unit: setup
+	$(BIN)/pytest -q tests/unit
+
+test-integration: setup
+	$(BIN)/pytest -q tests/integration tests/faults
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+typecheck: setup
+	$(BIN)/mypy runtime scheduler breakers actors cluster testbed
+
+bench: setup
+	$(BIN)/python -m benchmarks.rate_limit --quick --out benchmarks/results/rate_limit.json
+
+clean:
+	rm -rf $(VENV) .tether .pytest_cache .mypy_cache .ruff_cache build *.egg-info

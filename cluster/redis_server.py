@@ -1,0 +1,128 @@
+"""Start and stop a private ``redis-server`` (the embedded default and the test fixture).
+
+Tether's own Redis runs with AOF and ``appendfsync always`` by default: every intent appended to a
+trajectory log is on disk before the effect it announces (ARCHITECTURE.md, durability contract).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.errors import DependencyError
+
+__all__ = ["RedisServer", "free_port", "redis_server_binary"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    """Path of ``redis-server``, or a clear error saying how to install it."""
+    path = shutil.which("redis-server")
+    if path is None:
+        raise DependencyError(
+            "redis-server is not installed: run `make setup` (as root it installs it with apt-get) "
+            "or `sudo apt-get install redis-server`, or set TETHER_REDIS_URL to an existing Redis",
+            non_retryable=True,
+        )
+    return path
+
+
+@dataclass
+class RedisServer:
+    """A ``redis-server`` child process on a loopback port with its data under ``data_dir``."""
+
+    data_dir: Path
+    port: int = 0
+    appendfsync: str = "always"
+    password: str | None = None
+    host: str = "127.0.0.1"
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        if self.appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, not {self.appendfsync!r}")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.port:
+            self.port = free_port(self.host)
+        args = [
+            redis_server_binary(),
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
+            "--save", "",
+            "--daemonize", "no",
+            "--protected-mode", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                log = self.data_dir / "redis.log"
+                tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+                raise DependencyError(f"redis-server exited at start (code {self._proc.returncode}): {tail}")
+            if self._ping():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise DependencyError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                if self.password:
+                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    s.recv(64)
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _default_data_dir() -> Path:
+    return Path(os.environ.get("TETHER_HOME", ".tether")) / "redis"

@@ -1,0 +1,47 @@
+"""Fixtures shared by the integration and fault tiers: a private redis-server per test, a local Ray per module."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.redis_server import RedisServer
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, data in the test's temp dir, AOF always."""
+    server = RedisServer(data_dir=tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """One small local Ray per test module, shut down afterwards."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="tether",
+        object_store_memory=100 * 1024 * 1024,
+        logging_level="WARNING",
+        log_to_driver=False,
+        resources={"tether_trajectory": 1000},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
