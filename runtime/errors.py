@@ -12,10 +12,16 @@
 from __future__ import annotations
 
 __all__ = [
+    "AdmissionRefused",
+    "BreakerOpen",
+    "BulkheadFull",
+    "CodecError",
     "ControlError",
     "DependencyError",
     "InputError",
+    "ModelCallCancelled",
     "PolicyRefusal",
+    "ProviderRateLimited",
     "TetherError",
 ]
 
@@ -63,3 +69,61 @@ class ControlError(TetherError):
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason
         super().__init__(f"{reason}: {message}")
+
+
+# --------------------------------------------------------------------------- input
+
+
+class CodecError(InputError):
+    """Log or wire bytes could not be decoded into a valid event or message."""
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class AdmissionRefused(PolicyRefusal):
+    """The scheduler or the admission check refused; ``predicate`` names the first failing rule."""
+
+    def __init__(self, predicate: str, message: str) -> None:
+        self.predicate = predicate
+        super().__init__(f"{predicate}: {message}")
+
+
+class BreakerOpen(PolicyRefusal):
+    """The dependency's breaker withholds calls; ``cooldown_s`` estimates when a probe is allowed."""
+
+    def __init__(self, scope: str, cooldown_s: float, generation: int) -> None:
+        self.scope = scope
+        self.cooldown_s = cooldown_s
+        self.generation = generation
+        self.retry_after = cooldown_s
+        super().__init__(f"breaker for {scope!r} is open (generation {generation}); retry in ~{cooldown_s:.1f}s")
+
+
+class BulkheadFull(PolicyRefusal):
+    """Both the concurrency cap and the queue of a dependency's bulkhead are full: fail fast."""
+
+    def __init__(self, scope: str, in_flight: int, queued: int) -> None:
+        self.scope = scope
+        self.in_flight = in_flight
+        self.queued = queued
+        super().__init__(f"bulkhead for {scope!r} is full ({in_flight} in flight, {queued} queued)")
+
+
+# --------------------------------------------------------------------------- dependency
+
+
+class ProviderRateLimited(DependencyError):
+    """The model provider answered 429."""
+
+    def __init__(self, message: str, *, scope: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, scope=scope, retry_after=retry_after, non_retryable=False)
+
+
+class ModelCallCancelled(TetherError):
+    """The harness aborted a model call mid-stream. ``usage`` is what was billed before the abort."""
+
+    def __init__(self, reason: str, usage: object) -> None:
+        self.reason = reason
+        self.usage = usage
+        super().__init__(f"model call cancelled: {reason}")
