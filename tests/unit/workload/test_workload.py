@@ -1,0 +1,64 @@
+"""Workload files: valid documents expand; bad ones name file, path, line and what was expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.workload import WorkloadError, load_workload, parse_workload
+
+GOOD = """\
+name: t
+provider:
+  kind: simulated
+  limits: {tpm: 1000, rpm: 10}
+tools:
+  - name: run_tests
+trajectories:
+  - id: a
+    count: 3
+    class: batch
+    grants: [run_tests]
+  - id: solo
+"""
+
+
+def test_valid_workload_expands_templates() -> None:
+    # Given a workload with a 3-count template and a single trajectory
+    wl = parse_workload(GOOD, "good.yaml")
+    # When it is expanded
+    ids = [t.id for t in wl.expanded()]
+    # Then every copy has its own id and the template's settings
+    assert ids == ["a-0", "a-1", "a-2", "solo"]
+    assert {t.priority_class for t in wl.expanded()[:3]} == {"batch"}
+    assert wl.provider.limits.tpm == 1000
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("trajectories: []\n", "line 1, trajectories: Tuple should have at least 1 item"),
+        ("trajectories:\n  - id: a\n    class: vip\n", "class 'vip' is not a declared class"),
+        ("trajectories:\n  - id: a\n    grants: [nope]\n", "grants names undeclared tools: nope"),
+        ("trajectories:\n  - id: a\n  - id: a\n", "trajectory id 'a' is used twice"),
+        ("trajectories:\n  - id: a\n    budget: {turns: -1}\n", "line 3, trajectories[0].budget.turns"),
+        ("trajectories:\n  - id: a\n    bogus: 1\n", "line 3, trajectories[0].bogus: Extra inputs"),
+        ("provider: {kind: openai_compatible}\ntrajectories: [{id: a}]\n", "needs base_url"),
+        ("- just a list\n", "expected a mapping at the top level"),
+        ("trajectories: [\n", "not valid YAML"),
+        ("trajectories:\n  - id: 'has space'\n", "id must be 1-96 characters"),
+    ],
+)
+def test_bad_workloads_say_what_and_where(text: str, expected: str) -> None:
+    # Given a malformed document / When it is parsed / Then the error names the file and the problem
+    with pytest.raises(WorkloadError) as info:
+        parse_workload(text, "bad.yaml")
+    message = str(info.value)
+    assert message.startswith("bad.yaml"), message
+    assert expected in message, message
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="no such file"):
+        load_workload(tmp_path / "absent.yaml")
