@@ -190,9 +190,8 @@ class Workload(_Strict):
         for i, spec in enumerate(self.trajectories):
             where = f"trajectories[{i}]"
             if spec.priority_class not in self.classes:
-                raise ValueError(
-                    f"{where}.class {spec.priority_class!r} is not a declared class ({', '.join(self.classes)})"
-                )
+                declared = ", ".join(self.classes)
+                raise ValueError(f"{where}.class {spec.priority_class!r} is not a declared class ({declared})")
             unknown = [g for g in spec.grants if g not in tool_names]
             if unknown:
                 raise ValueError(f"{where}.grants names undeclared tools: {', '.join(unknown)}")
