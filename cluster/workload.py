@@ -191,7 +191,7 @@ class Workload(_Strict):
             where = f"trajectories[{i}]"
             if spec.priority_class not in self.classes:
                 declared = ", ".join(self.classes)
-                raise ValueError(f"{where}.class {spec.priority_class!r} is not a declared class ({declared})")
+                raise ValueError(f"{where}.class {spec.priority_class!r} is not declared ({declared})")
             unknown = [g for g in spec.grants if g not in tool_names]
             if unknown:
                 raise ValueError(f"{where}.grants names undeclared tools: {', '.join(unknown)}")

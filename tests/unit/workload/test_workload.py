@@ -39,7 +39,7 @@ def test_valid_workload_expands_templates() -> None:
     ("text", "expected"),
     [
         ("trajectories: []\n", "line 1, trajectories: Tuple should have at least 1 item"),
-        ("trajectories:\n  - id: a\n    class: vip\n", "class 'vip' is not a declared class"),
+        ("trajectories:\n  - id: a\n    class: vip\n", "class 'vip' is not declared"),
         ("trajectories:\n  - id: a\n    grants: [nope]\n", "grants names undeclared tools: nope"),
         ("trajectories:\n  - id: a\n  - id: a\n", "trajectory id 'a' is used twice"),
         ("trajectories:\n  - id: a\n    budget: {turns: -1}\n", "line 3, trajectories[0].budget.turns"),
