@@ -1,0 +1,108 @@
+"""What intent-before-effect costs: log append latency with ``appendfsync always`` vs ``everysec``.
+
+Two private ``redis-server`` instances (same binary, same disk, AOF on) differ only in their fsync policy.
+Appends go through ``RedisLogStore.append`` (the path every intent takes), with the same payload sizes
+for both. Rounds interleave the two servers in a shuffled order so drift in machine load (other jobs on
+this 2-core box) hits both equally. Result: ``benchmarks/results/log_append.json`` + ``.png``.
+
+    .venv/bin/python -m benchmarks.log_append [--n 3000] [--warmup 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._common import environment, summarize_ms, write_json, write_plot
+from cluster.log_store import RedisLogStore
+from cluster.redis_server import RedisServer
+
+NAME = "log_append"
+MODES = ("always", "everysec")
+PAYLOAD_SIZES = (256, 1024, 4096)  # a small event, a typical tool intent, a large observation
+
+
+async def measure(urls: dict[str, str], n: int, warmup: int, seed: int) -> dict[str, list[float]]:
+    """Append latencies in seconds per mode, ``n`` each, interleaved in shuffled order per round."""
+    rng = random.Random(seed)
+    payloads = [os.urandom(size) for size in PAYLOAD_SIZES]
+    stores = {mode: RedisLogStore.from_url(url) for mode, url in urls.items()}
+    samples: dict[str, list[float]] = {mode: [] for mode in urls}
+    try:
+        for i in range(warmup + n):
+            payload = payloads[i % len(payloads)]
+            order = list(urls)
+            rng.shuffle(order)
+            for mode in order:
+                started = time.perf_counter()
+                await stores[mode].append("bench", payload)
+                elapsed = time.perf_counter() - started
+                if i >= warmup:
+                    samples[mode].append(elapsed)
+    finally:
+        for store in stores.values():
+            await store.close()
+    return samples
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type holding ``path`` (fsync on tmpfs is free, so the number means nothing there)."""
+    best, fstype = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return fstype
+    resolved = str(path.resolve())
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 3 and resolved.startswith(parts[1]) and len(parts[1]) > len(best):
+            best, fstype = parts[1], f"{parts[2]} ({parts[0]} on {parts[1]})"
+    return fstype
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--n", type=int, default=3000, help="measured appends per fsync mode")
+    parser.add_argument("--warmup", type=int, default=200, help="unmeasured appends per mode first")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        servers = {mode: RedisServer(data_dir=Path(tmp) / mode, appendfsync=mode) for mode in MODES}
+        try:
+            urls = {mode: server.start().url for mode, server in servers.items()}
+            samples = asyncio.run(measure(urls, args.n, args.warmup, args.seed))
+        finally:
+            for server in servers.values():
+                server.stop()
+
+    result: dict[str, object] = {mode: summarize_ms(samples[mode]) for mode in MODES}
+    always, everysec = summarize_ms(samples["always"]), summarize_ms(samples["everysec"])
+    result["ratio_always_over_everysec"] = {
+        "p50": round(always["p50_ms"] / everysec["p50_ms"], 2),
+        "p99": round(always["p99_ms"] / everysec["p99_ms"], 2),
+    }
+    result["n"] = args.n
+    result["warmup"] = args.warmup
+    result["payload_bytes"] = list(PAYLOAD_SIZES)
+    result["path"] = "RedisLogStore.append (redis.asyncio XADD) to a loopback redis-server, AOF on"
+    result["data_dir_filesystem"] = filesystem_of(Path(tempfile.gettempdir()))
+    result["environment"] = environment()
+    json_path = write_json(NAME, result)
+    png_path = write_plot(
+        NAME,
+        {f"appendfsync {mode}": [s * 1000 for s in samples[mode]] for mode in MODES},
+        title=f"Log append latency, {args.n} appends/mode, payloads {'/'.join(map(str, PAYLOAD_SIZES))} B",
+    )
+    print(f"always:   p50 {always['p50_ms']:.3f} ms  p99 {always['p99_ms']:.3f} ms")
+    print(f"everysec: p50 {everysec['p50_ms']:.3f} ms  p99 {everysec['p99_ms']:.3f} ms")
+    print(f"wrote {json_path} and {png_path}")
+
+
+if __name__ == "__main__":
+    main()
