@@ -1,0 +1,357 @@
+"""Tool contracts, the tool registry, and argument validation before dispatch.
+
+Every tool declares what the harness needs to dispatch it safely (issue 6; recovery chapter §12.7,
+reliability guide §5-§7): a pydantic argument schema, its side-effect class, its repeat contract, its
+compensation (a tool name and how the created resource's id binds into that tool's arguments) and whether
+it supports a probe (result recovery), its dependency scope (the breaker/bulkhead it sits behind), its
+sandbox pool, its per-call charge, and whether it needs approval (irreversible tools do by default).
+
+Arguments are validated before dispatch. A rejection here is *local*: it never reaches the dependency and
+never counts in that dependency's breaker window. The error names the tool and the field so the model gets
+a precise observation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from runtime.errors import InputError
+from runtime.fingerprint import canonical_value
+
+__all__ = [
+    "ArgumentProblem",
+    "Compensation",
+    "CompensationUnbound",
+    "RepeatContract",
+    "SideEffect",
+    "ToolArgumentsInvalid",
+    "ToolContract",
+    "ToolContractError",
+    "ToolRegistry",
+    "UnknownOutcomePolicy",
+    "UnknownTool",
+    "may_retry_after_unknown",
+    "unknown_outcome_policy",
+]
+
+# OpenAI function names: letters, digits, underscores and dashes, at most 64 characters.
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class SideEffect(StrEnum):
+    """What a call can do to the world outside the sandbox."""
+
+    READ_ONLY = "read_only"
+    REVERSIBLE = "reversible"  # has a compensation
+    IRREVERSIBLE = "irreversible"  # can only be completed forward: gated by approval
+
+
+class RepeatContract(StrEnum):
+    """What the endpoint guarantees about executing the same intent twice."""
+
+    IDEMPOTENT = "idempotent"  # repeating has the effect of doing it once
+    DEDUPLICATED = "deduplicated"  # the endpoint deduplicates by effect key
+    PROBE_THEN_RETRY = "probe_then_retry"  # ask the endpoint what happened; retry only if established absent
+    NEVER_REPEAT = "never_repeat"  # an unknown outcome stays unknown with an owner
+
+
+class UnknownOutcomePolicy(StrEnum):
+    """What the retry owner may do when a dispatched call's outcome is unknown (e.g. timed out)."""
+
+    RETRY = "retry"
+    PROBE = "probe"
+    LEAVE_UNKNOWN = "leave_unknown"
+
+
+class ToolContractError(InputError):
+    """A tool contract or registry is inconsistent (names the tool and field)."""
+
+
+class UnknownTool(InputError):
+    """The model named a tool that is not registered."""
+
+    def __init__(self, tool: str, known: Iterable[str] = ()) -> None:
+        self.tool = tool
+        names = ", ".join(sorted(known))
+        super().__init__(f"unknown tool {tool!r}" + (f" (known: {names})" if names else ""), where="tool")
+
+
+class ArgumentProblem(StrEnum):
+    NOT_JSON = "not_json"
+    NOT_OBJECT = "not_object"
+    DUPLICATE_KEY = "duplicate_key"
+    SCHEMA = "schema"
+
+
+class ToolArgumentsInvalid(InputError):
+    """Tool arguments were rejected locally. ``tool``, ``field`` (dotted path, ``None`` for the whole
+    payload), ``problem`` and ``errors`` (every violation as ``(field, message)``) describe why."""
+
+    def __init__(
+        self, tool: str, problem: ArgumentProblem, message: str, errors: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self.tool = tool
+        self.problem = problem
+        self.errors = errors or (("$", message),)
+        self.field: str | None = errors[0][0] if errors else None
+        where = f"{tool}.arguments" + (f".{self.field}" if self.field else "")
+        super().__init__(message, where=where)
+
+    def observation(self) -> dict[str, Any]:
+        """Structured observation for the model: what was rejected and where, nothing dispatched."""
+        return {
+            "status": "REJECTED",
+            "reason": "INVALID_ARGUMENTS",
+            "tool": self.tool,
+            "problem": self.problem.value,
+            "errors": [{"field": f, "message": m} for f, m in self.errors],
+            "message": "The call was not dispatched. Fix the arguments and propose it again.",
+        }
+
+
+class CompensationUnbound(InputError):
+    """A compensation could not be bound: the forward result lacks the field it needs."""
+
+
+def _frozen_str_map(values: Mapping[str, str], where: str) -> Mapping[str, str]:
+    for k, v in values.items():
+        if not isinstance(k, str) or not k or not isinstance(v, str) or not v:
+            raise ToolContractError(f"bindings map non-empty names to names, got {k!r}: {v!r}", where=where)
+    return MappingProxyType(dict(values))
+
+
+@dataclass(frozen=True, slots=True)
+class Compensation:
+    """How to undo a reversible call: ``tool`` with arguments bound from the forward call's result
+    (``from_result``: result field -> compensation argument), from the forward call's own arguments
+    (``from_args``: forward argument -> compensation argument), and ``fixed`` constants.
+
+    Registered before dispatch as a template with unbound result fields (recovery chapter §12.3);
+    :meth:`bind` fills them once the result arrives."""
+
+    tool: str
+    from_result: Mapping[str, str] = field(default_factory=dict)
+    from_args: Mapping[str, str] = field(default_factory=dict)
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = f"compensation[{self.tool}]"
+        object.__setattr__(self, "from_result", _frozen_str_map(self.from_result, f"{where}.from_result"))
+        object.__setattr__(self, "from_args", _frozen_str_map(self.from_args, f"{where}.from_args"))
+        object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
+        targets = [*self.from_result.values(), *self.from_args.values(), *self.fixed]
+        duplicated = sorted({t for t in targets if targets.count(t) > 1})
+        if duplicated:
+            raise ToolContractError(f"argument bound twice: {', '.join(duplicated)}", where=where)
+
+    def template(self, forward_args: Mapping[str, Any]) -> dict[str, Any]:
+        """Compensation arguments known before dispatch (constants and forward arguments)."""
+        out = dict(self.fixed)
+        for src, dst in self.from_args.items():
+            if src not in forward_args:
+                raise CompensationUnbound(f"forward argument {src!r} missing", where=f"{self.tool}.{dst}")
+            out[dst] = forward_args[src]
+        return out
+
+    def bind(self, forward_args: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
+        """Full compensation arguments once the forward result (e.g. the created env id) is known."""
+        out = self.template(forward_args)
+        for src, dst in self.from_result.items():
+            if not isinstance(result, Mapping) or src not in result:
+                raise CompensationUnbound(f"result field {src!r} missing", where=f"{self.tool}.{dst}")
+            out[dst] = result[src]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContract:
+    """Everything the harness must know to dispatch one tool safely."""
+
+    name: str
+    description: str
+    arguments: type[BaseModel]
+    side_effect: SideEffect
+    repeat: RepeatContract
+    dependency_scope: str
+    compensation: Compensation | None = None
+    probe: bool = False  # the endpoint supports result recovery by effect key
+    sandbox_pool: str | None = None
+    charge: float = 0.0  # direct dollars per attempt
+    needs_approval: bool | None = None  # None: True exactly when irreversible
+    target_keys: tuple[str, ...] = ()  # arguments naming the resource acted on (coarse fingerprint)
+    isolate_network: bool = False  # run the sandboxed process without network access
+
+    def __post_init__(self) -> None:
+        where = f"tool[{self.name!r}]"
+        if not isinstance(self.name, str) or not _TOOL_NAME.match(self.name):
+            raise ToolContractError("name must match [A-Za-z0-9_-]{1,64}", where=where)
+        if not (isinstance(self.arguments, type) and issubclass(self.arguments, BaseModel)):
+            raise ToolContractError("arguments must be a pydantic model class", where=f"{where}.arguments")
+        if not self.dependency_scope:
+            raise ToolContractError("dependency scope is required", where=f"{where}.dependency_scope")
+        if isinstance(self.charge, bool) or not math.isfinite(self.charge) or self.charge < 0:
+            raise ToolContractError(
+                f"charge must be finite and ≥ 0, got {self.charge!r}", where=f"{where}.charge"
+            )
+        if self.repeat is RepeatContract.PROBE_THEN_RETRY and not self.probe:
+            raise ToolContractError("probe-then-retry needs a probe", where=f"{where}.probe")
+        if self.side_effect is SideEffect.REVERSIBLE and self.compensation is None:
+            raise ToolContractError("a reversible tool must declare its compensation", where=f"{where}")
+        fields = set(self.arguments.model_fields)
+        unknown_targets = sorted(set(self.target_keys) - fields)
+        if unknown_targets:
+            raise ToolContractError(
+                f"not arguments: {', '.join(unknown_targets)}", where=f"{where}.target_keys"
+            )
+        if self.compensation is not None:
+            missing = sorted(set(self.compensation.from_args) - fields)
+            if missing:
+                raise ToolContractError(f"not arguments: {', '.join(missing)}", where=f"{where}.compensation")
+        if self.needs_approval is None:
+            object.__setattr__(self, "needs_approval", self.side_effect is SideEffect.IRREVERSIBLE)
+
+    @property
+    def requires_approval(self) -> bool:
+        """``needs_approval`` resolved (never None after construction)."""
+        return bool(self.needs_approval)
+
+    def openai_spec(self) -> dict[str, Any]:
+        """The OpenAI ``tools`` entry, parameters from the pydantic JSON schema."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.arguments.model_json_schema(),
+            },
+        }
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "$"
+
+
+class ToolRegistry:
+    """The tools a deployment offers, by name. Registration is explicit; nothing happens at import."""
+
+    def __init__(self, contracts: Iterable[ToolContract] = ()) -> None:
+        self._tools: dict[str, ToolContract] = {}
+        for contract in contracts:
+            self.register(contract)
+
+    def register(self, contract: ToolContract) -> None:
+        if contract.name in self._tools:
+            raise ToolContractError("registered twice", where=f"tool[{contract.name!r}]")
+        self._tools[contract.name] = contract
+
+    def get(self, tool: str) -> ToolContract:
+        try:
+            return self._tools[tool]
+        except KeyError:
+            raise UnknownTool(tool, self._tools) from None
+
+    def __contains__(self, tool: object) -> bool:
+        return tool in self._tools
+
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    def check_references(self) -> None:
+        """Every compensation names a registered tool whose arguments include the bound names."""
+        for contract in self._tools.values():
+            comp = contract.compensation
+            if comp is None:
+                continue
+            where = f"tool[{contract.name!r}].compensation"
+            if comp.tool not in self._tools:
+                raise ToolContractError(f"compensation tool {comp.tool!r} is not registered", where=where)
+            target_fields = set(self._tools[comp.tool].arguments.model_fields)
+            bound = {*comp.from_result.values(), *comp.from_args.values(), *comp.fixed}
+            unknown = sorted(bound - target_fields)
+            if unknown:
+                raise ToolContractError(f"{comp.tool!r} has no arguments {', '.join(unknown)}", where=where)
+
+    def openai_tool_specs(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """OpenAI tool specs for ``names`` (all tools when None), in the order given (sorted for all).
+        Keep the order stable across turns: reordering the tool list breaks the prefix cache."""
+        selected = self.names() if names is None else list(names)
+        return [self.get(n).openai_spec() for n in selected]
+
+    def validate(self, tool: str, raw_arguments: str) -> dict[str, Any]:
+        """Parse and validate the model's raw argument text; return canonical arguments (defaults
+        filled, JSON types, strings NFC). Raises :class:`UnknownTool` or :class:`ToolArgumentsInvalid`."""
+        contract = self.get(tool)
+        try:
+            parsed = json.loads(
+                raw_arguments, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
+            )
+        except _DuplicateKey as dup:
+            raise ToolArgumentsInvalid(
+                tool,
+                ArgumentProblem.DUPLICATE_KEY,
+                f"key {dup.key!r} appears twice",
+                ((dup.key, "duplicate key"),),
+            ) from None
+        except (ValueError, TypeError) as e:
+            raise ToolArgumentsInvalid(
+                tool, ArgumentProblem.NOT_JSON, f"arguments are not valid JSON: {e}"
+            ) from e
+        if not isinstance(parsed, dict):
+            raise ToolArgumentsInvalid(
+                tool,
+                ArgumentProblem.NOT_OBJECT,
+                f"arguments must be a JSON object, got {type(parsed).__name__}",
+            )
+        try:
+            model = contract.arguments.model_validate(parsed)
+        except ValidationError as e:
+            errors = tuple((_field_path(err["loc"]), err["msg"]) for err in e.errors())
+            summary = "; ".join(f"{f}: {m}" for f, m in errors)
+            raise ToolArgumentsInvalid(tool, ArgumentProblem.SCHEMA, summary, errors) from e
+        canonical: dict[str, Any] = canonical_value(model.model_dump(mode="json"), where=f"{tool}.arguments")
+        return canonical
+
+
+def unknown_outcome_policy(contract: ToolContract) -> UnknownOutcomePolicy:
+    """Settlement before retry (recovery chapter, settlement rule): an unknown outcome may be re-dispatched
+    only when the repeat contract makes re-execution safe; otherwise probe, or leave it unknown with an
+    owner."""
+    match contract.repeat:
+        case RepeatContract.IDEMPOTENT | RepeatContract.DEDUPLICATED:
+            return UnknownOutcomePolicy.RETRY
+        case RepeatContract.PROBE_THEN_RETRY:
+            return UnknownOutcomePolicy.PROBE
+        case RepeatContract.NEVER_REPEAT:
+            return UnknownOutcomePolicy.LEAVE_UNKNOWN
+
+
+def may_retry_after_unknown(contract: ToolContract) -> bool:
+    """True when a call whose outcome is unknown may be dispatched again without probing first."""
+    return unknown_outcome_policy(contract) is UnknownOutcomePolicy.RETRY
