@@ -1,0 +1,74 @@
+"""Command line of the simulated provider.
+
+``python -m testbed.provider --host 127.0.0.1 --port PORT --tpm N --rpm N [--ttft-ms X] [--tokens-per-s Y]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from testbed.provider.config import ProviderConfig
+from testbed.provider.server import ProviderServer
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m testbed.provider", description="Simulated OpenAI-compatible provider."
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tpm", type=int, default=0, help="tokens per minute, 0 = unlimited")
+    p.add_argument("--rpm", type=int, default=0, help="requests per minute, 0 = unlimited")
+    p.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token in milliseconds")
+    p.add_argument("--tokens-per-s", type=float, default=0.0, help="output tokens per second, 0 = instant")
+    p.add_argument("--window-s", type=float, default=60.0, help="rate-limit window length in seconds")
+    p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.add_argument(
+        "--model", action="append", dest="models", help="model id listed by /v1/models (repeatable)"
+    )
+    p.add_argument("--api-key", default=None, help="require this bearer key")
+    return p
+
+
+async def _serve(server: ProviderServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"simulated provider listening on {server.base_url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = ProviderConfig(
+            rpm=args.rpm,
+            tpm=args.tpm,
+            ttft_ms=args.ttft_ms,
+            tokens_per_s=args.tokens_per_s,
+            window_s=args.window_s,
+            default_max_tokens=args.default_max_tokens,
+            models=tuple(args.models) if args.models else ("tether-sim",),
+            api_key=args.api_key,
+        )
+    except ValidationError as e:
+        print(f"invalid provider options: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(ProviderServer(config, host=args.host, port=args.port)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Configuration of the simulated provider: limits, latency, and fault knobs (pydantic, validated)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ConfigPatch", "Fault", "ProviderConfig"]
+
+
+class ProviderConfig(BaseModel):
+    """How the simulated provider behaves. A limit of 0 means unlimited; a latency of 0 means none."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rpm: int = Field(0, ge=0, description="requests per minute (per window), 0 = unlimited")
+    tpm: int = Field(0, ge=0, description="tokens per minute (per window), 0 = unlimited")
+    ttft_ms: float = Field(0.0, ge=0, description="time to first token")
+    tokens_per_s: float = Field(0.0, ge=0, description="output speed after the first token, 0 = instant")
+    window_s: float = Field(60.0, gt=0, description="length of the sliding rate-limit window")
+    default_max_tokens: int = Field(1024, ge=1, description="output ceiling when a request sets none")
+    models: tuple[str, ...] = Field(("tether-sim",), min_length=1, description="listed by GET /v1/models")
+    api_key: str | None = Field(None, description="when set, requests must send 'Authorization: Bearer KEY'")
+    cache_max_trajectories: int = Field(100_000, ge=1)
+
+
+class Fault(BaseModel):
+    """Force every chat request to fail with ``status`` for ``for_s`` seconds and/or ``count`` requests."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    status: Literal[429, 500, 502, 503, 504]
+    for_s: float | None = Field(None, gt=0)
+    count: int | None = Field(None, ge=1)
+    retry_after_s: float = Field(1.0, ge=0, description="Retry-After sent with a forced 429")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Fault:
+        if self.for_s is None and self.count is None:
+            raise ValueError("a fault needs for_s or count (or both), so it ends by itself")
+        return self
+
+
+class ConfigPatch(BaseModel):
+    """Body of ``POST /testbed/config``: every field optional.
+
+    ``fault`` starts a fault (replacing any active one); ``clear_fault`` ends the active one.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    ttft_ms: float | None = Field(None, ge=0)
+    tokens_per_s: float | None = Field(None, ge=0)
+    default_max_tokens: int | None = Field(None, ge=1)
+    fault: Fault | None = None
+    clear_fault: bool = False
+
+    def apply(self, config: ProviderConfig) -> ProviderConfig:
+        """The config with this patch's set fields replaced."""
+        changes = self.model_dump(exclude_none=True, exclude={"fault", "clear_fault"})
+        return config.model_copy(update=changes)
