@@ -1,0 +1,418 @@
+"""Control messages: the versioned wire schema, its msgpack codec, and the Redis stream transport.
+
+Operators and policies append signed ``ControlMessage``s to ``tether:control``; relays read it through a
+consumer group, deliver to the trajectory actor, ``XACK`` once the actor has durably recorded the request,
+and take over a dead relay's pending entries with ``XAUTOCLAIM`` (ARCHITECTURE.md, "Control protocol";
+issue 4, "Transport"). Delivery is at-least-once: consumers dedupe by ``message_id``.
+
+State changes go to ``tether:events`` (trimmed with ``MAXLEN ~``) for live views only: the per-trajectory
+log, not this stream, is the audit record.
+
+Signing and verification live in ``cluster.signing``; this module only carries bytes and validates shape.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Self, TypeVar, cast
+
+import msgpack
+import redis.asyncio as aioredis
+import redis.exceptions
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
+
+from cluster.embedded import redact_url, redis_errors
+from runtime.errors import CodecError
+
+__all__ = [
+    "CONTROL_STREAM",
+    "EVENTS_STREAM",
+    "SCHEMA_VERSION",
+    "Claimed",
+    "ControlAction",
+    "ControlMessage",
+    "ControlStream",
+    "Delivery",
+    "Identity",
+    "LiveEvent",
+    "decode_event",
+    "decode_message",
+    "encode_event",
+    "encode_message",
+]
+
+SCHEMA_VERSION: Literal[1] = 1
+CONTROL_STREAM = "tether:control"
+EVENTS_STREAM = "tether:events"
+MAX_MESSAGE_BYTES = 64 * 1024  # a control message is a few hundred bytes; refuse to unpack giants
+_FIELD = b"m"  # the one field of every stream entry: the encoded message or event
+M = TypeVar("M", bound=BaseModel)
+_Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
+_StreamsReply = list[tuple[bytes, _Entries]] | None  # RESP2 shape of XREAD / XREADGROUP
+
+Identity = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")]
+TrajectoryId = Annotated[str, StringConstraints(pattern=r"^[!-~]{1,200}$")]  # as runtime.memstore
+MessageId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{8,128}$")]
+Nonce = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{16,128}$")]
+Signature = Annotated[bytes, Field(min_length=64, max_length=64)]  # Ed25519
+EpochSeconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class ControlAction(StrEnum):
+    """The requests a harness accepts from outside the loop (harness chapter, Table 6, plus approvals)."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    CANCEL = "cancel"
+    INTERRUPT = "interrupt"
+    KILL = "kill"
+    APPROVE = "approve"
+    DENY = "deny"
+
+
+_DIGEST_ACTIONS = frozenset({ControlAction.APPROVE, ControlAction.DENY})
+
+
+class ControlMessage(BaseModel):
+    """One control request, as it travels on ``tether:control`` (schema version 1).
+
+    ``payload`` is action-specific: approve/deny carry ``call_digest`` (the digest of the held call they
+    decide); interrupt may carry ``message`` (the user message for the next turn; ``reason`` otherwise).
+    ``signatures`` is a list of ``(identity, Ed25519 signature)`` pairs over ``signing_document()``, so
+    a quorum approval is the same message signed by several identities.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    message_id: MessageId
+    trajectory_id: TrajectoryId
+    action: ControlAction
+    issuer: Identity
+    reason: Annotated[str, Field(max_length=2000)] = ""
+    issued_at: EpochSeconds
+    expires_at: EpochSeconds
+    nonce: Nonce
+    payload: dict[str, JsonValue] = Field(default_factory=dict)
+    signatures: tuple[tuple[Identity, Signature], ...] = ()
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Self:
+        if self.expires_at <= self.issued_at:
+            raise ValueError(f"expires_at ({self.expires_at}) must be after issued_at ({self.issued_at})")
+        if self.action in _DIGEST_ACTIONS:
+            digest = self.payload.get("call_digest")
+            if not isinstance(digest, str) or not 1 <= len(digest) <= 256:
+                raise ValueError(f"{self.action} needs payload.call_digest: the digest of the held call")
+        message = self.payload.get("message")
+        if message is not None and not isinstance(message, str):
+            raise ValueError("payload.message, when present, must be a string")
+        return self
+
+    @classmethod
+    def create(
+        cls,
+        trajectory_id: str,
+        action: ControlAction | str,
+        issuer: str,
+        *,
+        now: float,
+        ttl_s: float = 300.0,
+        reason: str = "",
+        payload: dict[str, JsonValue] | None = None,
+    ) -> ControlMessage:
+        """A fresh unsigned message: new ``message_id`` and ``nonce``, valid from ``now`` for ``ttl_s``."""
+        return cls(
+            message_id=uuid.uuid4().hex,
+            trajectory_id=trajectory_id,
+            action=ControlAction(action),
+            issuer=issuer,
+            reason=reason,
+            issued_at=now,
+            expires_at=now + ttl_s,
+            nonce=secrets.token_urlsafe(18),
+            payload=payload or {},
+        )
+
+    @property
+    def signers(self) -> tuple[str, ...]:
+        """Identities that signed, in signing order."""
+        return tuple(identity for identity, _ in self.signatures)
+
+    def signing_document(self) -> dict[str, Any]:
+        """Everything a signature covers: the message without ``signatures``, as plain msgpack-able values."""
+        doc = self.model_dump(mode="python", exclude={"signatures"})
+        doc["action"] = str(self.action)
+        return doc
+
+
+def encode_message(message: ControlMessage) -> bytes:
+    """msgpack bytes of ``message`` (signatures as a list of ``[identity, signature]`` pairs)."""
+    doc = message.signing_document()
+    doc["signatures"] = [[identity, sig] for identity, sig in message.signatures]
+    return _pack(doc, "control message")
+
+
+def decode_message(data: bytes) -> ControlMessage:
+    """Validate and decode; ``CodecError`` names the field that is wrong (``where``)."""
+    doc = _unpack(data, "control message")
+    version = doc.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise CodecError(
+            f"unsupported schema version {version!r}; this build reads {SCHEMA_VERSION}",
+            where="control message field 'schema_version'",
+        )
+    return _validate(ControlMessage, doc, "control message")
+
+
+class LiveEvent(BaseModel):
+    """A state change published on ``tether:events`` for live views (``tether watch``), never for audit.
+
+    ``kind`` says what changed (e.g. ``state``, ``control_rejected``); ``data`` carries the view's columns.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trajectory_id: TrajectoryId
+    kind: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_.]{0,63}$")]
+    at: EpochSeconds
+    data: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+def encode_event(event: LiveEvent) -> bytes:
+    return _pack(event.model_dump(mode="python"), "live event")
+
+
+def decode_event(data: bytes) -> LiveEvent:
+    return _validate(LiveEvent, _unpack(data, "live event"), "live event")
+
+
+def _pack(doc: dict[str, Any], what: str) -> bytes:
+    try:
+        return cast(bytes, msgpack.packb(doc, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CodecError(f"cannot encode: {e}", where=what) from e
+
+
+def _unpack(data: bytes, what: str) -> dict[str, Any]:
+    if not isinstance(data, bytes | bytearray):
+        raise CodecError(f"expected bytes, got {type(data).__name__}", where=what)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise CodecError(f"{len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit", where=what)
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise CodecError(f"not valid msgpack: {e}", where=what) from e
+    if not isinstance(doc, dict):
+        raise CodecError(f"expected a map at the top level, got {type(doc).__name__}", where=what)
+    return doc
+
+
+def _validate(model: type[M], doc: dict[str, Any], what: str) -> M:
+    try:
+        return model.model_validate(doc)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "(message)"
+        others = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise CodecError(f"{first['msg']}{others}", where=f"{what} field {field!r}") from e
+
+
+# --------------------------------------------------------------------------- transport
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One entry read from the control stream. Exactly one of ``message`` / ``error`` is set: an entry
+    that does not decode is still delivered so the relay can audit and ack it instead of looping on it."""
+
+    entry_id: str
+    message: ControlMessage | None
+    error: CodecError | None
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """Result of one ``XAUTOCLAIM`` pass: entries now owned by the claimer, where to continue the scan
+    (``"0-0"`` when it wrapped), and pending ids whose entries were trimmed away (Redis dropped them)."""
+
+    deliveries: list[Delivery]
+    next_start_id: str
+    deleted_ids: list[str]
+
+
+class ControlStream:
+    """``tether:control`` (publish, consumer group, ack, claim) and ``tether:events`` (publish, read)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        url: str = "redis",
+        stream: str = CONTROL_STREAM,
+        events_stream: str = EVENTS_STREAM,
+        events_maxlen: int = 10_000,
+        owns_client: bool = False,
+    ) -> None:
+        if events_maxlen < 1:
+            raise ValueError(f"events_maxlen must be >= 1, got {events_maxlen}")
+        self._client = client
+        self._url = url
+        self.stream = stream
+        self.events_stream = events_stream
+        self.events_maxlen = events_maxlen
+        self._owns_client = owns_client
+
+    @classmethod
+    def from_url(cls, url: str, *, socket_timeout: float = 30.0, **kwargs: Any) -> Self:
+        """A transport with its own connection pool; keep ``block_ms`` of blocking reads below the timeout."""
+        client = aioredis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=10.0)
+        return cls(client, url=url, owns_client=True, **kwargs)
+
+    @property
+    def url(self) -> str:
+        return redact_url(self._url)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def publish(self, message: ControlMessage) -> str:
+        """Append a (signed) message; returns the stream entry id once Redis acknowledged it."""
+        data = encode_message(message)
+        with redis_errors(self._url, f"publishing to {self.stream}"):
+            return _text(await self._client.xadd(self.stream, {_FIELD: data}))
+
+    async def ensure_group(self, group: str, *, start_id: str = "0") -> bool:
+        """Create the consumer group (and the stream) if missing; True if this call created it.
+
+        ``start_id="0"`` lets a new group see messages published before any relay started.
+        """
+        with redis_errors(self._url, f"creating consumer group {group!r} on {self.stream}"):
+            try:
+                await self._client.xgroup_create(self.stream, group, id=start_id, mkstream=True)
+            except redis.exceptions.ResponseError as e:
+                if str(e).startswith("BUSYGROUP"):
+                    return False
+                raise
+        return True
+
+    async def read(
+        self,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 16,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[Delivery]:
+        """New entries for ``consumer`` (``XREADGROUP >``), or with ``pending=True`` the entries already
+        delivered to it and not acked (what a restarted consumer of the same name must finish first)."""
+        with redis_errors(self._url, f"reading {self.stream} as {group}/{consumer}"):
+            reply = cast(
+                _StreamsReply,
+                await self._client.xreadgroup(
+                    group, consumer, {self.stream: "0" if pending else ">"}, count=count, block=block_ms
+                ),
+            )
+        return [_delivery(entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries]
+
+    async def ack(self, group: str, *entry_ids: str) -> int:
+        """Acknowledge entries (only after the request is durably recorded); returns how many were pending."""
+        if not entry_ids:
+            return 0
+        with redis_errors(self._url, f"acking on {self.stream}"):
+            return int(await self._client.xack(self.stream, group, *entry_ids))
+
+    async def claim_stale(
+        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
+    ) -> Claimed:
+        """Take over entries pending longer than ``min_idle_ms`` on any consumer (a dead relay's)."""
+        with redis_errors(self._url, f"claiming stale entries on {self.stream}"):
+            reply = await self._client.xautoclaim(
+                self.stream, group, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count
+            )
+        next_start = cast(bytes, reply[0])
+        entries = cast(_Entries, reply[1])
+        deleted = cast(list[bytes], reply[2] if len(reply) > 2 else [])  # Redis >= 7 lists trimmed ids
+        return Claimed(
+            deliveries=[_delivery(entry_id, fields) for entry_id, fields in entries],
+            next_start_id=_text(next_start),
+            deleted_ids=[_text(d) for d in deleted],
+        )
+
+    async def pending_count(self, group: str) -> int:
+        """How many entries the group has delivered and not yet acked."""
+        with redis_errors(self._url, f"inspecting pending entries on {self.stream}"):
+            summary = await self._client.xpending(self.stream, group)
+        return int(summary["pending"])
+
+    async def publish_event(self, event: LiveEvent) -> str:
+        """Append a state change to the events stream, trimming it to about ``events_maxlen`` entries."""
+        with redis_errors(self._url, f"publishing to {self.events_stream}"):
+            entry_id = await self._client.xadd(
+                self.events_stream, {_FIELD: encode_event(event)}, maxlen=self.events_maxlen, approximate=True
+            )
+        return _text(entry_id)
+
+    async def read_events(
+        self, after: str = "$", *, count: int = 100, block_ms: int | None = None
+    ) -> list[tuple[str, LiveEvent]]:
+        """Events after ``after`` (``"$"``: only ones published from now on, so pass ``block_ms``).
+
+        A live view keeps the last id it saw and passes it back. Entries that do not decode (another
+        version's writer) are skipped: a view must not stop on one bad line.
+        """
+        with redis_errors(self._url, f"reading {self.events_stream}"):
+            reply = cast(
+                _StreamsReply,
+                await self._client.xread({self.events_stream: after}, count=count, block=block_ms),
+            )
+        out: list[tuple[str, LiveEvent]] = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                try:
+                    out.append((_text(entry_id), decode_event((fields or {}).get(_FIELD, b""))))
+                except CodecError:
+                    continue
+        return out
+
+    async def events_length(self) -> int:
+        with redis_errors(self._url, f"measuring {self.events_stream}"):
+            return int(await self._client.xlen(self.events_stream))
+
+
+def _delivery(entry_id: bytes | str, fields: dict[bytes, bytes] | None) -> Delivery:
+    entry = _text(entry_id)
+    data = (fields or {}).get(_FIELD)
+    if data is None:
+        # A pending entry whose message was trimmed reads back with no fields.
+        error = CodecError(
+            "the stream entry has no message (trimmed or foreign)", where=f"{CONTROL_STREAM} {entry}"
+        )
+        return Delivery(entry, None, error)
+    try:
+        return Delivery(entry, decode_message(data), None)
+    except CodecError as e:
+        return Delivery(entry, None, e)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
