@@ -178,7 +178,8 @@ class Keyring:
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("# Tether keyring: identity -> Ed25519 public key + roles.\n" + yaml.safe_dump(doc, sort_keys=False))
+        header = "# Tether keyring: identity -> Ed25519 public key + roles.\n"
+        tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False))
         tmp.replace(path)
 
     def get(self, identity: str) -> KeyringEntry | None:
