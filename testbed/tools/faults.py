@@ -1,0 +1,147 @@
+"""Fault knobs for the testbed tool services, applied through the server framework's hooks.
+
+One ``FaultPlan`` per service, set at start (``--faults``) or at run time (``FaultControl.SetFaults``).
+Each mode changes behaviour as documented on ``FaultMode``; ``honour_effect_keys=False`` makes the
+service apply every attempt even when its effect key was seen (the knob that proves a duplicate
+effect *would* appear without deduplication).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Self
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from actors.tools_grpc import tether_tools_pb2 as pb
+from actors.tools_grpc.codec import ToolCall
+from actors.tools_grpc.errors import ToolError
+from actors.tools_grpc.server import ServerHooks, ToolContext
+from runtime.errors import InputError
+
+__all__ = ["MALFORMED_PAYLOAD", "FaultInjector", "FaultMode", "FaultPlan"]
+
+MALFORMED_PAYLOAD = '{"env_id": "env-'  # truncated JSON: the effect happened, the reply is unreadable
+
+
+class FaultMode(StrEnum):
+    """What a faulty service does to a call."""
+
+    NONE = "none"
+    DROP_REPLY = "drop_reply"  # apply the effect, then never answer: the caller hits its deadline
+    HANG = "hang"  # hold the call past its deadline (+ hang_s) before the tool runs; never applied
+    FAIL = "fail"  # refuse with ``status`` before any effect (retry-after in trailing metadata if set)
+    SLOW = "slow"  # wait ``delay_s`` before the tool runs, then answer normally if time remains
+    MALFORMED = "malformed"  # apply the effect, answer OK with a payload that is not JSON
+    DUPLICATE = "duplicate"  # hand the request to the tool twice (an at-least-once queue behind the door)
+
+
+class FaultPlan(BaseModel):
+    """The faults of one service. ``tools`` empty = every tool of the service; ``count`` = next N calls."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: FaultMode = FaultMode.NONE
+    status: str | None = None
+    delay_s: float = Field(default=0.0, ge=0.0, le=600.0)
+    hang_s: float = Field(default=0.5, ge=0.0, le=600.0)
+    retry_after_s: float | None = Field(default=None, ge=0.0)
+    honour_effect_keys: bool = True
+    tools: frozenset[str] = frozenset()
+    count: int | None = Field(default=None, ge=1)
+
+    @field_validator("status")
+    @classmethod
+    def _known_status(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = value.upper()
+        if name not in grpc.StatusCode.__members__ or name == "OK":
+            raise ValueError(f"status must be a non-OK gRPC status name, not {value!r}")
+        return name
+
+    @model_validator(mode="after")
+    def _fail_needs_status(self) -> Self:
+        if self.mode is FaultMode.FAIL and self.status is None:
+            raise ValueError("mode 'fail' needs a status (e.g. UNAVAILABLE, INVALID_ARGUMENT)")
+        return self
+
+    @property
+    def status_code(self) -> grpc.StatusCode:
+        return grpc.StatusCode[self.status or "INTERNAL"]
+
+
+class FaultInjector(ServerHooks):
+    """``ServerHooks`` that apply each service's ``FaultPlan`` to the calls of its tools."""
+
+    def __init__(
+        self, tool_services: Mapping[str, str], plans: Mapping[str, FaultPlan] | None = None
+    ) -> None:
+        self._service_of = dict(tool_services)  # tool -> service
+        self._plans: dict[str, FaultPlan] = {}
+        self._left: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+        for service, plan in (plans or {}).items():
+            self.set_plan(service, plan)
+
+    @property
+    def services(self) -> frozenset[str]:
+        return frozenset(self._service_of.values())
+
+    def set_plan(self, service: str, plan: FaultPlan) -> None:
+        """Replace one service's plan ("" = every service)."""
+        targets = sorted(self.services) if service == "" else [service]
+        for name in targets:
+            if name not in self.services:
+                raise InputError(f"unknown service {name!r}; known: {sorted(self.services)}", where="service")
+            with self._lock:
+                self._plans[name] = plan
+                self._left[name] = plan.count
+
+    def plan(self, service: str) -> FaultPlan:
+        return self._plans.get(service, FaultPlan())
+
+    def _active(self, call: ToolCall, mode: FaultMode) -> FaultPlan | None:
+        """The plan if ``mode`` applies to ``call`` now, consuming one unit of its count."""
+        service = self._service_of.get(call.tool)
+        if service is None:
+            return None
+        with self._lock:
+            plan = self._plans.get(service)
+            if plan is None or plan.mode is not mode or (plan.tools and call.tool not in plan.tools):
+                return None
+            left = self._left.get(service)
+            if left is not None:
+                if left <= 0:
+                    return None
+                self._left[service] = left - 1
+            return plan
+
+    # ------------------------------------------------------------------ hooks
+
+    def honour_effect_keys(self, call: ToolCall) -> bool:
+        service = self._service_of.get(call.tool)
+        return service is None or self.plan(service).honour_effect_keys
+
+    def deliveries(self, call: ToolCall) -> int:
+        return 2 if self._active(call, FaultMode.DUPLICATE) else 1
+
+    async def before_effect(self, call: ToolCall, ctx: ToolContext) -> None:
+        if plan := self._active(call, FaultMode.FAIL):
+            raise ToolError(plan.status_code, "injected failure", retry_after=plan.retry_after_s)
+        if plan := self._active(call, FaultMode.SLOW):
+            await ctx.sleep(plan.delay_s)
+        elif plan := self._active(call, FaultMode.HANG):
+            await ctx.sleep(max(0.0, ctx.time_remaining()) + plan.hang_s)
+
+    async def after_effect(
+        self, call: ToolCall, ctx: ToolContext, reply: pb.InvokeReply
+    ) -> pb.InvokeReply | None:
+        if self._active(call, FaultMode.DROP_REPLY):
+            return None
+        if self._active(call, FaultMode.MALFORMED):
+            return pb.InvokeReply(result_json=MALFORMED_PAYLOAD, effect_key=reply.effect_key)
+        return reply

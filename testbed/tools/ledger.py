@@ -1,0 +1,248 @@
+"""The testbed's own, independent ledger of external effects.
+
+This is the ground truth fault tests judge by (recovery chapter, fault-test plan: duplicate external
+effects, orphaned resources, billed charges), kept by the simulated dependency itself and never by
+the runtime under test. It is read over gRPC (``LedgerService.Query``) as a ``LedgerSnapshot``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
+
+from runtime.clock import Clock, SystemClock
+from testbed.tools import testbed_tools_pb2 as tpb
+
+__all__ = ["EffectCount", "EnvironmentRecord", "Ledger", "LedgerSnapshot", "NotificationRecord"]
+
+
+class EnvironmentRecord(BaseModel):
+    """One environment the provisioner allocated (and maybe released)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    env_id: str
+    tenant: str
+    effect_key: str
+    allocated_at: float
+    released_at: float | None = None
+    billed_seconds: float = 0.0
+
+    @property
+    def allocated(self) -> bool:
+        return self.released_at is None
+
+
+class NotificationRecord(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    notification_id: str
+    recipient: str
+    message: str
+    effect_key: str
+    sent_at: float
+
+
+class EffectCount(BaseModel):
+    """How many times one effect key was really applied by one tool (> 1 is a duplicate effect)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tool: str
+    effect_key: str
+    applications: int
+
+
+class LedgerSnapshot(BaseModel):
+    """The ledger at one moment, as a fault test reads it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    environments: tuple[EnvironmentRecord, ...] = ()
+    notifications: tuple[NotificationRecord, ...] = ()
+    effects: tuple[EffectCount, ...] = ()
+    billed_seconds: float = 0.0
+    test_runs: int = 0
+    searches: int = 0
+
+    def duplicate_effects(self) -> list[EffectCount]:
+        """Effect keys applied more than once."""
+        return [e for e in self.effects if e.applications > 1]
+
+    def orphaned_environments(self) -> list[EnvironmentRecord]:
+        """Environments still allocated (nobody released them)."""
+        return [e for e in self.environments if e.allocated]
+
+    def environments_for(self, effect_key: str) -> list[EnvironmentRecord]:
+        """Every environment created under ``effect_key``."""
+        return [e for e in self.environments if e.effect_key == effect_key]
+
+    @classmethod
+    def from_proto(cls, reply: tpb.LedgerReply) -> LedgerSnapshot:
+        return cls(
+            environments=tuple(
+                EnvironmentRecord(
+                    env_id=e.env_id,
+                    tenant=e.tenant,
+                    effect_key=e.effect_key,
+                    allocated_at=e.allocated_at,
+                    released_at=e.released_at or None,
+                    billed_seconds=e.billed_seconds,
+                )
+                for e in reply.environments
+            ),
+            notifications=tuple(
+                NotificationRecord(
+                    notification_id=n.notification_id,
+                    recipient=n.recipient,
+                    message=n.message,
+                    effect_key=n.effect_key,
+                    sent_at=n.sent_at,
+                )
+                for n in reply.notifications
+            ),
+            effects=tuple(
+                EffectCount(tool=e.tool, effect_key=e.effect_key, applications=e.applications)
+                for e in reply.effects
+            ),
+            billed_seconds=reply.billed_seconds,
+            test_runs=reply.test_runs,
+            searches=reply.searches,
+        )
+
+
+@dataclass
+class _Env:
+    env_id: str
+    tenant: str
+    effect_key: str
+    allocated_at: float
+    released_at: float | None = None
+
+
+class Ledger:
+    """Thread-safe (sync tools run in worker threads) record of every effect the testbed applied."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock: Clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._envs: dict[str, _Env] = {}
+        self._notifications: list[NotificationRecord] = []
+        self._effects: Counter[tuple[str, str]] = Counter()
+        self._ids = itertools.count(1)
+        self.test_runs = 0
+        self.searches = 0
+
+    def record_effect(self, tool: str, effect_key: str) -> None:
+        """Count one real application of ``effect_key`` by ``tool``."""
+        with self._lock:
+            self._effects[(tool, effect_key)] += 1
+
+    def allocate(self, tenant: str, effect_key: str) -> str:
+        """Allocate a new environment; billing starts now. Returns its id."""
+        with self._lock:
+            env_id = f"env-{next(self._ids):05d}"
+            self._envs[env_id] = _Env(env_id, tenant, effect_key, self._clock.wall())
+            self._effects[("provision_env", effect_key)] += 1
+            return env_id
+
+    def release(self, env_id: str, effect_key: str) -> float | None:
+        """Stop billing ``env_id``; returns its billed seconds, or ``None`` if there is no such env.
+
+        Releasing twice is harmless (the first release time stands): release is idempotent by nature.
+        """
+        with self._lock:
+            env = self._envs.get(env_id)
+            if env is None:
+                return None
+            if env.released_at is None:
+                env.released_at = self._clock.wall()
+                self._effects[("release_env", effect_key)] += 1
+            return env.released_at - env.allocated_at
+
+    def notify(self, recipient: str, message: str, effect_key: str) -> str:
+        with self._lock:
+            notification_id = f"ntf-{next(self._ids):05d}"
+            self._notifications.append(
+                NotificationRecord(
+                    notification_id=notification_id,
+                    recipient=recipient,
+                    message=message,
+                    effect_key=effect_key,
+                    sent_at=self._clock.wall(),
+                )
+            )
+            self._effects[("send_notification", effect_key)] += 1
+            return notification_id
+
+    def count_test_run(self) -> None:
+        with self._lock:
+            self.test_runs += 1
+
+    def count_search(self) -> None:
+        with self._lock:
+            self.searches += 1
+
+    def snapshot(self) -> LedgerSnapshot:
+        """A consistent copy; billed seconds of live environments run up to now."""
+        with self._lock:
+            now = self._clock.wall()
+            envs = tuple(
+                EnvironmentRecord(
+                    env_id=e.env_id,
+                    tenant=e.tenant,
+                    effect_key=e.effect_key,
+                    allocated_at=e.allocated_at,
+                    released_at=e.released_at,
+                    billed_seconds=(e.released_at if e.released_at is not None else now) - e.allocated_at,
+                )
+                for e in self._envs.values()
+            )
+            return LedgerSnapshot(
+                environments=envs,
+                notifications=tuple(self._notifications),
+                effects=tuple(
+                    EffectCount(tool=tool, effect_key=key, applications=n)
+                    for (tool, key), n in self._effects.items()
+                ),
+                billed_seconds=sum(e.billed_seconds for e in envs),
+                test_runs=self.test_runs,
+                searches=self.searches,
+            )
+
+    def to_proto(self) -> tpb.LedgerReply:
+        snap = self.snapshot()
+        return tpb.LedgerReply(
+            environments=[
+                tpb.Environment(
+                    env_id=e.env_id,
+                    tenant=e.tenant,
+                    effect_key=e.effect_key,
+                    allocated_at=e.allocated_at,
+                    released_at=e.released_at or 0.0,
+                    billed_seconds=e.billed_seconds,
+                )
+                for e in snap.environments
+            ],
+            notifications=[
+                tpb.Notification(
+                    notification_id=n.notification_id,
+                    recipient=n.recipient,
+                    message=n.message,
+                    effect_key=n.effect_key,
+                    sent_at=n.sent_at,
+                )
+                for n in snap.notifications
+            ],
+            effects=[
+                tpb.EffectCount(tool=e.tool, effect_key=e.effect_key, applications=e.applications)
+                for e in snap.effects
+            ],
+            billed_seconds=snap.billed_seconds,
+            test_runs=snap.test_runs,
+            searches=snap.searches,
+        )
