@@ -1,15 +1,15 @@
 """Start and stop a private Ray head on this machine, optionally as a fake multi-node autoscaling cluster.
 
-Two things make a local ``ray start --head`` awkward in tests on a shared machine, and this module handles both:
+Two things make a local ``ray start --head`` awkward in tests on a shared machine; this module handles both:
 
-* Isolation. ``ray start`` defaults to GCS port 6379, ray-client port 10001, dashboard agent port 52365 and
-  ``/tmp/ray``; another Ray on the machine would collide. Every port here is chosen free, and the session lives
-  under its own short temp dir (Unix socket paths are limited to ~107 bytes, so pytest's long tmp paths are not
-  usable).
-* Scoped shutdown. ``ray stop`` kills every Ray process on the host, and the fake provider's worker nodes are
-  children of the autoscaler's monitor that ``ray start`` does not track. ``ray start`` runs here as the leader
-  of a new POSIX session; every daemon, worker node and worker process it leads to inherits that session id, so
-  :meth:`RayHead.stop` signals exactly that session and nothing else.
+* Isolation. ``ray start`` defaults to GCS port 6379, ray-client port 10001, dashboard agent port 52365
+  and ``/tmp/ray``; another Ray on the machine would collide. Every port here is chosen free, and the
+  session lives under its own short temp dir (Unix socket paths are limited to ~107 bytes, so pytest's
+  long tmp paths are not usable).
+* Scoped shutdown. ``ray stop`` kills every Ray process on the host, and the fake provider's worker nodes
+  are children of the autoscaler's monitor that ``ray start`` does not track. ``ray start`` runs here as
+  the leader of a new POSIX session; every daemon, worker node and worker process it leads to inherits
+  that session id, so :meth:`RayHead.stop` signals exactly that session and nothing else.
 
 The fake multi-node cluster renders ``cluster/autoscaler/fake_multinode.yaml`` with the GCS address it picked
 and starts the head with ``RAY_FAKE_CLUSTER=1`` (see docs/operations.md).
@@ -17,6 +17,7 @@ and starts the head with ``RAY_FAKE_CLUSTER=1`` (see docs/operations.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -102,7 +103,9 @@ def load_autoscaling_config(path: Path) -> dict[str, Any]:
         raise InputError(f"autoscaling config {path}: missing required key(s) {', '.join(missing)}")
     head_type = config["head_node_type"]
     if head_type not in config["available_node_types"]:
-        raise InputError(f"autoscaling config {path}: head_node_type {head_type!r} is not in available_node_types")
+        raise InputError(
+            f"autoscaling config {path}: head_node_type {head_type!r} is not in available_node_types"
+        )
     return config
 
 
@@ -146,7 +149,7 @@ class RayHead:
     def _prepare(self) -> None:
         from ray.util import get_node_ip_address
 
-        self._ip = get_node_ip_address()
+        self._ip = str(get_node_ip_address())  # type: ignore[no-untyped-call]
         if not self.port:
             self.port = _free_port()
         if self.include_dashboard and not self.dashboard_port:
@@ -187,6 +190,8 @@ class RayHead:
         self._prepare()
         env = {
             **os.environ,
+            # Jobs' entrypoints (`tether run ...`, `python ...`) resolve in the head's environment: this venv.
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
             **self.env,
@@ -207,9 +212,8 @@ class RayHead:
             raise DependencyError(f"`ray start --head` did not finish within {timeout:.0f}s") from None
         if proc.returncode != 0:
             self.stop()
-            raise DependencyError(
-                f"`ray start --head` failed (exit {proc.returncode}):\n{output.decode(errors='replace')[-4000:]}"
-            )
+            tail = output.decode(errors="replace")[-4000:]
+            raise DependencyError(f"`ray start --head` failed (exit {proc.returncode}):\n{tail}")
         return self
 
     def stop(self, grace: float = 3.0) -> None:
@@ -238,10 +242,8 @@ class RayHead:
     @staticmethod
     def _signal_all(session: int, sig: signal.Signals) -> None:
         for pid in session_pids(session):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
 
     def __enter__(self) -> Self:
         return self.start()
@@ -276,7 +278,8 @@ class FakeMultiNodeCluster:
             raise InputError(f"autoscaling config {self.config_path}: provider.type must be fake_multinode")
         if config["head_node_type"] != _FAKE_HEAD_TYPE:
             raise InputError(
-                f"autoscaling config {self.config_path}: the fake provider needs head_node_type {_FAKE_HEAD_TYPE!r}"
+                f"autoscaling config {self.config_path}: "
+                f"the fake provider needs head_node_type {_FAKE_HEAD_TYPE!r}"
             )
         head_resources = dict(config["available_node_types"][_FAKE_HEAD_TYPE].get("resources", {}))
         num_cpus = int(head_resources.pop("CPU", 1))

@@ -1,8 +1,8 @@
 """The Ray autoscaler adds worker nodes for trajectory actors and removes them once they are idle.
 
 Runs Ray's ``fake_multinode`` provider on this machine with the shipped config
-(``cluster/autoscaler/fake_multinode.yaml``): the head holds no ``tether_trajectory`` resource, each worker node
-holds 2, at most 2 worker nodes, idle timeout 6 s.
+(``cluster/autoscaler/fake_multinode.yaml``): the head holds no ``tether_trajectory`` resource, each
+worker node holds 2, at most 2 worker nodes, idle timeout 6 s.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Unit tests for cluster operations: job submission request, metrics plugin, autoscaler config."""
