@@ -118,7 +118,7 @@ class InProcessGuard:
     async def _wait(
         self, guard: ScopeGuard, ticket: QueueTicket, future: asyncio.Future[GuardPermit]
     ) -> GuardPermit:
-        timer = asyncio.ensure_future(self._clock.sleep(max(0.0, ticket.deadline - self._clock.wall())))
+        timer = asyncio.ensure_future(self._sleep_until(ticket.deadline))
         try:
             pending: set[asyncio.Future[Any]] = {future, timer}
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -136,6 +136,11 @@ class InProcessGuard:
                 raise QueuedPastDeadline(guard.scope, ticket.call_id, ticket.deadline)
         # Resolved (possibly from another loop a moment ago): the answer is on its way.
         return await future
+
+    async def _sleep_until(self, wall_deadline: float) -> None:
+        # Re-read the clock after each wake-up: the timer task may start after time has already moved.
+        while (remaining := wall_deadline - self._clock.wall()) > 0:
+            await self._clock.sleep(remaining)
 
     def _abandon(self, guard: ScopeGuard, ticket: QueueTicket, future: asyncio.Future[GuardPermit]) -> None:
         """The waiter was cancelled. If its slot was already granted, give it back."""
