@@ -18,7 +18,10 @@ __all__ = [
     "CodecError",
     "ControlError",
     "DependencyError",
+    "IllegalEvent",
+    "IllegalTransition",
     "InputError",
+    "InvalidLog",
     "ModelCallCancelled",
     "PolicyRefusal",
     "ProviderRateLimited",
@@ -78,6 +81,11 @@ class CodecError(InputError):
     """Log or wire bytes could not be decoded into a valid event or message."""
 
 
+class InvalidLog(InputError):
+    """A trajectory log decodes but cannot be folded: it does not start with ``trajectory_created`` or holds
+    an event its record refuses. ``where`` names the entry (``event[17]``); the refusal is the ``__cause__``."""
+
+
 # --------------------------------------------------------------------------- policy
 
 
@@ -97,7 +105,9 @@ class BreakerOpen(PolicyRefusal):
         self.cooldown_s = cooldown_s
         self.generation = generation
         self.retry_after = cooldown_s
-        super().__init__(f"breaker for {scope!r} is open (generation {generation}); retry in ~{cooldown_s:.1f}s")
+        super().__init__(
+            f"breaker for {scope!r} is open (generation {generation}); retry in ~{cooldown_s:.1f}s"
+        )
 
 
 class BulkheadFull(PolicyRefusal):
@@ -108,6 +118,37 @@ class BulkheadFull(PolicyRefusal):
         self.in_flight = in_flight
         self.queued = queued
         super().__init__(f"bulkhead for {scope!r} is full ({in_flight} in flight, {queued} queued)")
+
+
+class IllegalEvent(PolicyRefusal):
+    """An event cannot be applied to the trajectory record as it stands (its guard failed).
+
+    ``kind`` is the event's kind tag, ``state`` the record's state when it was refused and ``rule`` a short
+    reason code (for example ``"call_not_pending"``). Raised by ``runtime.fold.apply`` before anything is
+    written, so a refused event never reaches the log.
+    """
+
+    def __init__(self, kind: str, state: str, rule: str, message: str) -> None:
+        self.kind = kind
+        self.state = state
+        self.rule = rule
+        super().__init__(f"{kind} refused in {state} ({rule}): {message}")
+
+
+class IllegalTransition(IllegalEvent):
+    """A state change outside the legal set, or one whose guard failed (harness chapter, Listing 2).
+
+    ``from_state`` and ``to_state`` name the refused edge, ``event`` the reason the transition was asked
+    for and ``rule`` which check refused it (``"not_legal"`` or the failing guard's name).
+    """
+
+    def __init__(self, from_state: str, to_state: str, event: str, rule: str = "not_legal") -> None:
+        self.from_state = from_state
+        self.to_state = to_state
+        self.event = event
+        super().__init__(
+            "state_changed", from_state, rule, f"{from_state} -> {to_state} is not allowed (event {event!r})"
+        )
 
 
 # --------------------------------------------------------------------------- dependency

@@ -1,0 +1,605 @@
+"""Trajectory events: every change to the record is one of these, appended to the log before its effect.
+
+Each event is a frozen dataclass with a ``kind`` tag (its name in the log). ``runtime.fold.apply`` is the
+single place an event changes the record, and it refuses (``IllegalEvent`` / ``IllegalTransition``) any
+event whose guard fails, before anything is written. The trajectory id is not repeated per event: a log
+belongs to one trajectory.
+
+Lifecycle
+  ``TrajectoryCreated``   identity, task contract, limits, ceilings, grants, pointers (first event only;
+                          a retry is a new trajectory whose ``parent_id`` names the old one)
+  ``StateChanged``        the only way ``state`` changes; ``exit_reason`` is given on entering FINALIZING,
+                          ``approval_digest`` on leaving AWAITING_APPROVAL for dispatch
+  ``CompletionChecked``   the externally evaluated completion check's verdict (FINALIZING only)
+Model calls
+  ``TurnStarted``         turn ``n`` begins (READY): counts one turn against the budget
+  ``ModelCallIntent``     the admitted call is about to be sent (scheduler grant, ``max_tokens``, deadline)
+  ``ModelCallSettled``    the reply ended with a stop reason; provider usage and its price are charged
+  ``ModelCallCancelled``  the harness aborted the stream; billed usage is still charged, nothing is parsed
+  ``ModelCallFailed``     error or timeout; any billed usage is charged
+  ``ObservationAppended`` something the harness chose to put in the context (user/interrupt message, the
+                          model's reply, a notice, a refusal for a call id, an error)
+Tools and approval
+  ``ToolCallHeld``        an irreversible call goes to escrow (call, digest, expiry, preconditions)
+  ``ApprovalDecided``     approved / denied / expired, with the issuers that formed the decision
+  ``ApprovalRechecked``   the pre-dispatch re-check (digest, preconditions, grant, budget) passed or not
+  ``ToolDispatchIntent``  intent before effect: call, effect key, operation and attempt ids, deadline,
+                          bounded liability, compensation template, repeat contract, approval digest
+  ``ToolJobStarted``      a long-running call returned a job handle
+  ``ToolResultAccepted``  a result for a still-pending call in WAITING_TOOL: settles the operation
+  ``ToolCallTimedOut``    the deadline passed: the id leaves the pending set (this event is the timeout
+                          observation, so a later result finds no pending id); the operation is in doubt
+  ``ToolCallCancelled``   cancellation was requested (finalizing, kill): same effect on the operation
+  ``OperationMarkedInDoubt`` / ``OperationSettled``  settlement machinery: owner, then correlated evidence
+Control and audit
+  ``ControlRequested`` / ``ControlApplied``  recorded on arrival, applied at a turn boundary
+  ``ControlRejected``     audit: a message refused (forged, replayed, expired, terminal trajectory, ...)
+  ``LateResultDropped``   audit: a result for a call that is not pending (never an accepted result)
+Budget, grants, pointers
+  ``BudgetCharged``       additive charge per dimension (tool charges, sandbox seconds, ...)
+  ``WallClockMeasured``   elapsed wall-clock seconds (a gauge, never decreasing)
+  ``BudgetStageChanged``  rho, its stage and the binding dimension after an assessment
+  ``GrantNarrowed``       the grant shrinks (restrict stage, escalation); it never widens
+  ``LeaseAcquired`` / ``LeaseReleased``  workspace, credential and sandbox leases
+  ``PointerMoved``        context / workspace / snapshot / plan reference changed
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, TypeAlias
+
+from runtime.budget import BudgetStage
+from runtime.ports import OutcomeClass, Settlement, StopReason, ToolCallProposal, Usage
+from runtime.record import (
+    ApprovalDecision,
+    CallLimits,
+    ControlAction,
+    Grants,
+    JsonValue,
+    LeaseKind,
+    TaskContract,
+)
+from runtime.states import ExitReason, TrajectoryState
+
+__all__ = [
+    "EVENT_TYPES",
+    "ApprovalDecided",
+    "ApprovalRechecked",
+    "BudgetCharged",
+    "BudgetStageChanged",
+    "CompletionChecked",
+    "ControlApplied",
+    "ControlRejected",
+    "ControlRequested",
+    "Event",
+    "GrantNarrowed",
+    "LateResultDropped",
+    "LeaseAcquired",
+    "LeaseReleased",
+    "ModelCallCancelled",
+    "ModelCallFailed",
+    "ModelCallIntent",
+    "ModelCallSettled",
+    "ObservationAppended",
+    "ObservationKind",
+    "OperationMarkedInDoubt",
+    "OperationSettled",
+    "PointerMoved",
+    "PointerName",
+    "StateChanged",
+    "ToolCallCancelled",
+    "ToolCallHeld",
+    "ToolCallTimedOut",
+    "ToolDispatchIntent",
+    "ToolJobStarted",
+    "ToolResultAccepted",
+    "TrajectoryCreated",
+    "TurnStarted",
+    "WallClockMeasured",
+]
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _id(value: str, name: str) -> None:
+    _check(value != "", f"{name} must be non-empty")
+
+
+def _amount(value: float, name: str) -> None:
+    _check(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, got {value!r}")
+
+
+def _time(value: float, name: str) -> None:
+    _check(math.isfinite(value), f"{name} must be finite, got {value!r}")
+
+
+def _usage(usage: Usage) -> None:
+    for name in ("uncached_input", "cached_input", "output"):
+        _check(getattr(usage, name) >= 0, f"usage.{name} must be >= 0")
+
+
+class ObservationKind(StrEnum):
+    """What an appended observation is. Tool results and timeouts are not observations of their own:
+    ``ToolResultAccepted`` and ``ToolCallTimedOut`` are, so no unguarded path can append a result."""
+
+    USER = "user"  # the task, or an interrupt's message
+    ASSISTANT = "assistant"  # the model's reply (text and proposed calls), as the harness parsed it
+    NOTICE = "notice"  # budget notice, truncation notice, other harness notices
+    REFUSAL = "refusal"  # structured refusal for a held or rejected call (``call_id`` set)
+    ERROR = "error"  # a model or tool error the next call should see
+
+
+class PointerName(StrEnum):
+    CONTEXT = "context"
+    WORKSPACE = "workspace"
+    WORKSPACE_SNAPSHOT = "workspace_snapshot"
+    PLAN = "plan"
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryCreated:
+    kind: ClassVar[str] = "trajectory_created"
+    trajectory_id: str
+    parent_id: str | None
+    tenant: str
+    contract: TaskContract
+    limits: CallLimits
+    ceilings: Mapping[str, float]
+    grants: Grants
+    priority_class: str
+    created_at: float
+    deadline: float | None
+    context_ref: str
+    workspace_ref: str | None = None
+
+    def __post_init__(self) -> None:
+        _id(self.trajectory_id, "trajectory_id")
+        _check(self.parent_id != self.trajectory_id, "a trajectory cannot be its own parent")
+        _id(self.tenant, "tenant")
+        _id(self.priority_class, "priority_class")
+        _id(self.context_ref, "context_ref")
+        _time(self.created_at, "created_at")
+        if self.deadline is not None:
+            _time(self.deadline, "deadline")
+        _check(bool(self.ceilings), "at least one budget ceiling is required")
+        for dim, limit in self.ceilings.items():
+            _id(dim, "ceilings key")
+            _check(math.isfinite(limit) and limit > 0, f"ceilings.{dim} must be finite and > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StateChanged:
+    kind: ClassVar[str] = "state_changed"
+    from_state: TrajectoryState
+    to_state: TrajectoryState
+    reason: str
+    exit_reason: ExitReason | None = None
+    approval_digest: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionChecked:
+    kind: ClassVar[str] = "completion_checked"
+    check: str
+    passed: bool
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------- model calls
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    kind: ClassVar[str] = "turn_started"
+    turn: int
+
+    def __post_init__(self) -> None:
+        _check(self.turn >= 1, "turn must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCallIntent:
+    kind: ClassVar[str] = "model_call_intent"
+    grant_id: str
+    model: str
+    max_tokens: int
+    deadline: float
+
+    def __post_init__(self) -> None:
+        _id(self.grant_id, "grant_id")
+        _id(self.model, "model")
+        _check(self.max_tokens > 0, "max_tokens must be > 0")
+        _time(self.deadline, "deadline")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCallSettled:
+    kind: ClassVar[str] = "model_call_settled"
+    stop_reason: StopReason
+    usage: Usage
+    dollars: float
+
+    def __post_init__(self) -> None:
+        _check(self.stop_reason is not StopReason.CANCELED, "an aborted stream is ModelCallCancelled")
+        _usage(self.usage)
+        _amount(self.dollars, "dollars")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCallCancelled:
+    kind: ClassVar[str] = "model_call_cancelled"
+    reason: str
+    usage: Usage
+    dollars: float
+
+    def __post_init__(self) -> None:
+        _usage(self.usage)
+        _amount(self.dollars, "dollars")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCallFailed:
+    kind: ClassVar[str] = "model_call_failed"
+    error: str
+    retryable: bool
+    usage: Usage = field(default_factory=Usage)
+    dollars: float = 0.0
+
+    def __post_init__(self) -> None:
+        _usage(self.usage)
+        _amount(self.dollars, "dollars")
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationAppended:
+    kind: ClassVar[str] = "observation_appended"
+    observation: ObservationKind
+    content: str
+    call_id: str | None = None
+    tool_calls: tuple[ToolCallProposal, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(
+            not self.tool_calls or self.observation is ObservationKind.ASSISTANT,
+            "only an assistant observation carries proposed tool calls",
+        )
+        _check(
+            (self.call_id is not None) == (self.observation is ObservationKind.REFUSAL),
+            "call_id is set exactly on refusal observations",
+        )
+
+
+# --------------------------------------------------------------------------- tools and approval
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallHeld:
+    kind: ClassVar[str] = "tool_call_held"
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    digest: str
+    expires_at: float
+    preconditions: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _id(self.call_id, "call_id")
+        _id(self.tool, "tool")
+        _id(self.digest, "digest")
+        _time(self.expires_at, "expires_at")
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalDecided:
+    kind: ClassVar[str] = "approval_decided"
+    digest: str
+    decision: ApprovalDecision
+    issuers: tuple[str, ...]
+    reason: str
+    decided_at: float
+
+    def __post_init__(self) -> None:
+        _time(self.decided_at, "decided_at")
+        _check(len(set(self.issuers)) == len(self.issuers), "issuers must be distinct identities")
+        _check(
+            self.decision is not ApprovalDecision.APPROVED or bool(self.issuers),
+            "an approval names at least one issuer",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRechecked:
+    kind: ClassVar[str] = "approval_rechecked"
+    digest: str
+    passed: bool
+    failed_check: str | None
+    at: float
+
+    def __post_init__(self) -> None:
+        _time(self.at, "at")
+        _check(
+            self.passed == (self.failed_check is None), "failed_check is set exactly when the check failed"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDispatchIntent:
+    kind: ClassVar[str] = "tool_dispatch_intent"
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    effect_key: str
+    operation_id: str
+    attempt_id: str
+    deadline: float
+    liability: float = 0.0
+    compensation: str | None = None
+    repeat_safe: bool = False
+    approval_digest: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("call_id", "tool", "effect_key", "operation_id", "attempt_id"):
+            _id(getattr(self, name), name)
+        _time(self.deadline, "deadline")
+        _amount(self.liability, "liability")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolJobStarted:
+    kind: ClassVar[str] = "tool_job_started"
+    call_id: str
+    job_handle: str
+
+    def __post_init__(self) -> None:
+        _id(self.job_handle, "job_handle")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResultAccepted:
+    kind: ClassVar[str] = "tool_result_accepted"
+    call_id: str
+    settlement: Settlement
+    outcome_class: OutcomeClass
+    result: JsonValue
+    error: str | None
+    charge: float = 0.0
+
+    def __post_init__(self) -> None:
+        _amount(self.charge, "charge")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallTimedOut:
+    kind: ClassVar[str] = "tool_call_timed_out"
+    call_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallCancelled:
+    kind: ClassVar[str] = "tool_call_cancelled"
+    call_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OperationMarkedInDoubt:
+    kind: ClassVar[str] = "operation_marked_in_doubt"
+    operation_id: str
+    reason: str
+    owner: str
+
+    def __post_init__(self) -> None:
+        _id(self.owner, "owner")
+
+
+@dataclass(frozen=True, slots=True)
+class OperationSettled:
+    kind: ClassVar[str] = "operation_settled"
+    operation_id: str
+    settlement: Settlement
+    evidence: str
+
+    def __post_init__(self) -> None:
+        _check(self.settlement is not Settlement.UNKNOWN, "only evidence of an outcome settles an operation")
+        _id(self.evidence, "evidence")
+
+
+# --------------------------------------------------------------------------- control and audit
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRequested:
+    kind: ClassVar[str] = "control_requested"
+    message_id: str
+    action: ControlAction
+    issuer: str
+    reason: str
+    payload: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _id(self.message_id, "message_id")
+        _id(self.issuer, "issuer")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlApplied:
+    kind: ClassVar[str] = "control_applied"
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRejected:
+    kind: ClassVar[str] = "control_rejected"
+    message_id: str
+    reason: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _id(self.message_id, "message_id")
+        _id(self.reason, "reason")
+
+
+@dataclass(frozen=True, slots=True)
+class LateResultDropped:
+    kind: ClassVar[str] = "late_result_dropped"
+    call_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _id(self.reason, "reason")
+
+
+# --------------------------------------------------------------------------- budget, grants, pointers
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetCharged:
+    kind: ClassVar[str] = "budget_charged"
+    amounts: Mapping[str, float]
+    cause: str
+
+    def __post_init__(self) -> None:
+        for dim, amount in self.amounts.items():
+            _id(dim, "amounts key")
+            _amount(amount, f"amounts.{dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class WallClockMeasured:
+    kind: ClassVar[str] = "wall_clock_measured"
+    elapsed_s: float
+
+    def __post_init__(self) -> None:
+        _amount(self.elapsed_s, "elapsed_s")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetStageChanged:
+    kind: ClassVar[str] = "budget_stage_changed"
+    stage: BudgetStage
+    rho: float
+    binding_dimension: str
+
+    def __post_init__(self) -> None:
+        _amount(self.rho, "rho")
+        _id(self.binding_dimension, "binding_dimension")
+
+
+@dataclass(frozen=True, slots=True)
+class GrantNarrowed:
+    kind: ClassVar[str] = "grant_narrowed"
+    tools: frozenset[str]
+    read_only: bool
+    subagents_allowed: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseAcquired:
+    kind: ClassVar[str] = "lease_acquired"
+    lease_id: str
+    lease_kind: LeaseKind
+    resource: str
+    expires_at: float
+
+    def __post_init__(self) -> None:
+        _id(self.lease_id, "lease_id")
+        _time(self.expires_at, "expires_at")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReleased:
+    kind: ClassVar[str] = "lease_released"
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PointerMoved:
+    kind: ClassVar[str] = "pointer_moved"
+    pointer: PointerName
+    ref: str
+
+    def __post_init__(self) -> None:
+        _id(self.ref, "ref")
+
+
+Event: TypeAlias = (
+    TrajectoryCreated
+    | StateChanged
+    | CompletionChecked
+    | TurnStarted
+    | ModelCallIntent
+    | ModelCallSettled
+    | ModelCallCancelled
+    | ModelCallFailed
+    | ObservationAppended
+    | ToolCallHeld
+    | ApprovalDecided
+    | ApprovalRechecked
+    | ToolDispatchIntent
+    | ToolJobStarted
+    | ToolResultAccepted
+    | ToolCallTimedOut
+    | ToolCallCancelled
+    | OperationMarkedInDoubt
+    | OperationSettled
+    | ControlRequested
+    | ControlApplied
+    | ControlRejected
+    | LateResultDropped
+    | BudgetCharged
+    | WallClockMeasured
+    | BudgetStageChanged
+    | GrantNarrowed
+    | LeaseAcquired
+    | LeaseReleased
+    | PointerMoved
+)
+"""Any trajectory event."""
+
+EVENT_TYPES: Mapping[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        TrajectoryCreated,
+        StateChanged,
+        CompletionChecked,
+        TurnStarted,
+        ModelCallIntent,
+        ModelCallSettled,
+        ModelCallCancelled,
+        ModelCallFailed,
+        ObservationAppended,
+        ToolCallHeld,
+        ApprovalDecided,
+        ApprovalRechecked,
+        ToolDispatchIntent,
+        ToolJobStarted,
+        ToolResultAccepted,
+        ToolCallTimedOut,
+        ToolCallCancelled,
+        OperationMarkedInDoubt,
+        OperationSettled,
+        ControlRequested,
+        ControlApplied,
+        ControlRejected,
+        LateResultDropped,
+        BudgetCharged,
+        WallClockMeasured,
+        BudgetStageChanged,
+        GrantNarrowed,
+        LeaseAcquired,
+        LeaseReleased,
+        PointerMoved,
+    )
+}
+"""Event class by its ``kind`` tag (what the codec writes and reads)."""

@@ -1,0 +1,331 @@
+"""The trajectory record: the small control state the harness reads on every turn (harness chapter, Table 2).
+
+The record is a frozen value. It changes only by ``runtime.fold.apply(record, event)``, which returns a new
+record, and ``runtime.fold.fold(events)`` rebuilds it from the log, so the live record and the folded one
+are equal by construction. Nothing the model emits writes it: model output reaches the trajectory only as
+observation events the harness chose to append, and the record keeps pointers to that context, not the text.
+
+Field groups (Table 2): identity, status, per-call limits, budgets and spend, grants and leases, pending work,
+pointers; plus the operation table (settlement rule, recovery chapter), the audit trail, and the control
+message ids already seen (delivery is at-least-once, so applying a message is idempotent by its id).
+Mapping fields are never mutated after construction: ``apply`` always builds fresh ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeAlias
+
+from runtime.budget import BudgetCeilings, BudgetStage, Spend
+from runtime.operations import Operation
+from runtime.states import TERMINAL_STATES, ExitReason, TrajectoryState
+
+__all__ = [
+    "ApprovalDecision",
+    "AuditEntry",
+    "AuditKind",
+    "CallLimits",
+    "CompletionCheck",
+    "ControlAction",
+    "Grants",
+    "HeldCall",
+    "JsonValue",
+    "Lease",
+    "LeaseKind",
+    "ModelCall",
+    "ModelOutcome",
+    "PendingCall",
+    "PendingControl",
+    "Pointers",
+    "TaskContract",
+    "TrajectoryRecord",
+    "Transition",
+]
+
+JsonValue: TypeAlias = "bool | int | float | str | Sequence[JsonValue] | Mapping[str, JsonValue] | None"
+"""A JSON-compatible value (tool arguments, tool results, control payloads). Floats must be finite."""
+
+
+def _require(condition: bool, message: str) -> None:
+    # Value constructors validate eagerly so a malformed value never exists; the codec turns the
+    # ValueError into a CodecError naming the field path.
+    if not condition:
+        raise ValueError(message)
+
+
+def _non_empty(value: str, name: str) -> None:
+    _require(isinstance(value, str) and value != "", f"{name} must be a non-empty string")
+
+
+def _finite_non_negative(value: float, name: str) -> None:
+    _require(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, got {value!r}")
+
+
+# --------------------------------------------------------------------------- vocabularies
+
+
+class ControlAction(StrEnum):
+    """Requests accepted from outside the loop (harness chapter, Table 6; approvals from the gate)."""
+
+    CANCEL = "cancel"
+    INTERRUPT = "interrupt"
+    PAUSE = "pause"
+    RESUME = "resume"
+    KILL = "kill"
+    APPROVE = "approve"
+    DENY = "deny"
+
+
+class ApprovalDecision(StrEnum):
+    """What happened to a held call's approval request. Silence is denial: expiry counts as a refusal."""
+
+    APPROVED = "approved"
+    DENIED = "denied"
+    EXPIRED = "expired"
+
+
+class ModelOutcome(StrEnum):
+    """How the model call of the current CALLING_MODEL episode ended (stop reasons plus failure)."""
+
+    END_TURN = "end_turn"
+    MAX_TOKENS = "max_tokens"
+    TOOL_USE = "tool_use"
+    REFUSAL = "refusal"
+    CANCELED = "canceled"  # aborted by the harness; the partial reply is never parsed
+    FAILED = "failed"  # error or timeout from the provider
+
+
+class LeaseKind(StrEnum):
+    WORKSPACE = "workspace"
+    CREDENTIAL = "credential"
+    SANDBOX = "sandbox"
+
+
+class AuditKind(StrEnum):
+    """Why an audit entry exists. Audit entries never change state; they explain what was refused."""
+
+    LATE_RESULT_DROPPED = "late_result_dropped"
+    CONTROL_REJECTED = "control_rejected"
+
+
+# --------------------------------------------------------------------------- identity and limits
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionCheck:
+    """Names the check FINALIZING runs on an ``end_turn`` claim. The harness evaluates it; the record
+    only names it (``name``) and keeps its parameters."""
+
+    name: str
+    params: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _non_empty(self.name, "completion_check.name")
+
+
+@dataclass(frozen=True, slots=True)
+class TaskContract:
+    """What was asked, kept verbatim, and how success is judged."""
+
+    goal: str
+    completion_check: CompletionCheck
+
+    def __post_init__(self) -> None:
+        _non_empty(self.goal, "goal")
+
+
+@dataclass(frozen=True, slots=True)
+class CallLimits:
+    """Per-call ceilings set on every model request (the invocation contract)."""
+
+    model: str
+    max_output_tokens: int
+    call_deadline_s: float
+    sampling: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _non_empty(self.model, "model")
+        _require(self.max_output_tokens > 0, "max_output_tokens must be > 0")
+        _require(
+            math.isfinite(self.call_deadline_s) and self.call_deadline_s > 0, "call_deadline_s must be > 0"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Grants:
+    """The tool authority the harness grants. It only ever narrows (``GrantNarrowed``).
+
+    ``approval_required`` names tools whose calls must pass the approval gate before dispatch;
+    ``read_only_tools`` is the subset the restrict stage keeps.
+    """
+
+    tools: frozenset[str]
+    read_only_tools: frozenset[str] = frozenset()
+    approval_required: frozenset[str] = frozenset()
+    read_only: bool = False
+    subagents_allowed: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.read_only_tools <= self.tools, "read_only_tools must be a subset of tools")
+
+    def allows(self, tool: str) -> bool:
+        """Whether a call to ``tool`` is within the grant right now."""
+        return tool in self.tools and (not self.read_only or tool in self.read_only_tools)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    kind: LeaseKind
+    resource: str
+    expires_at: float  # epoch seconds
+
+
+# --------------------------------------------------------------------------- pending work
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall:
+    """The model call of the current CALLING_MODEL episode; ``outcome is None`` while it is in flight."""
+
+    grant_id: str
+    model: str
+    max_tokens: int
+    deadline: float
+    outcome: ModelOutcome | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCall:
+    """A dispatched tool call whose result is still accepted."""
+
+    call_id: str
+    tool: str
+    operation_id: str
+    attempt_id: str
+    deadline: float  # absolute, epoch seconds
+    job_handle: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldCall:
+    """An irreversible call held in escrow: undispatched until an approval that passes its re-check."""
+
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    digest: str  # digest of the canonical call: the approval binds to it
+    expires_at: float  # epoch seconds; silence until then is denial
+    preconditions: Mapping[str, JsonValue] = field(default_factory=dict)
+    decision: ApprovalDecision | None = None
+    issuers: tuple[str, ...] = ()
+    recheck_passed: bool | None = None
+
+    @property
+    def cleared_for_dispatch(self) -> bool:
+        """Approved and re-checked: the only state in which the held call may be dispatched."""
+        return self.decision is ApprovalDecision.APPROVED and self.recheck_passed is True
+
+
+@dataclass(frozen=True, slots=True)
+class PendingControl:
+    """A control request recorded on arrival, applied at the next turn boundary (kill: at once)."""
+
+    message_id: str
+    action: ControlAction
+    issuer: str
+    reason: str
+    payload: Mapping[str, JsonValue] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- pointers, history, audit
+
+
+@dataclass(frozen=True, slots=True)
+class Pointers:
+    """References to bulky state owned elsewhere; the record never copies it."""
+
+    context_ref: str
+    workspace_ref: str | None = None
+    workspace_snapshot: str | None = None
+    plan_ref: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One entry of the state history; ``seq`` is the log position of the ``StateChanged`` event."""
+
+    seq: int
+    from_state: TrajectoryState
+    to_state: TrajectoryState
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    seq: int
+    kind: AuditKind
+    subject: str  # call id or control message id
+    reason: str
+
+
+# --------------------------------------------------------------------------- the record
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryRecord:
+    """Everything the harness needs to control one trajectory (Table 2), as a frozen value."""
+
+    # identity
+    trajectory_id: str
+    parent_id: str | None
+    tenant: str
+    contract: TaskContract
+    priority_class: str
+    created_at: float
+    deadline: float | None  # absolute trajectory deadline, epoch seconds
+    # status
+    state: TrajectoryState
+    exit_reason: ExitReason | None
+    check_passed: bool | None
+    turn_count: int
+    history: tuple[Transition, ...]
+    # per-call limits
+    limits: CallLimits
+    # budgets and spend
+    ceilings: BudgetCeilings
+    spend: Spend
+    budget_stage: BudgetStage
+    rho: float
+    binding_dimension: str | None
+    # grants and leases
+    grants: Grants
+    leases: Mapping[str, Lease]
+    # pending work
+    model_call: ModelCall | None
+    pending_calls: Mapping[str, PendingCall]
+    held: HeldCall | None
+    pending_control: tuple[PendingControl, ...]
+    # pointers
+    pointers: Pointers
+    log_position: int  # events applied so far (the next event's seq)
+    # operations, audit, control idempotency
+    operations: Mapping[str, Operation]
+    audit: tuple[AuditEntry, ...]
+    seen_control_ids: frozenset[str]
+    applied_control_ids: frozenset[str]
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def operation_for_call(self, call_id: str) -> Operation | None:
+        """The most recently dispatched operation for ``call_id``, if any."""
+        found = None
+        for op in self.operations.values():
+            if op.call_id == call_id:
+                found = op
+        return found
