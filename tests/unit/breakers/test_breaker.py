@@ -272,4 +272,4 @@ def test_outcomes_age_out_of_a_timed_window() -> None:
 )
 def test_inconsistent_policy_is_rejected_naming_the_field(fields: dict[str, float], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
-        BreakerPolicy(**fields)  # type: ignore[arg-type]
+        BreakerPolicy(**fields)

@@ -14,6 +14,7 @@ from breakers.errors import AttemptBudgetExhausted
 from breakers.retry import (
     Attempt,
     AttemptResult,
+    OperationReport,
     RetryAction,
     RetryOwner,
     RetryPolicy,
@@ -220,7 +221,7 @@ async def _admit_all(_attempt: Attempt) -> None:
     return None
 
 
-async def _run_stepping_clock(clock: FakeClock, coro: Awaitable[object]) -> object:
+async def _run_stepping_clock(clock: FakeClock, coro: Awaitable[OperationReport]) -> OperationReport:
     """Run ``coro``, advancing the fake clock whenever it sleeps (no real waiting)."""
     import asyncio
 
@@ -330,4 +331,4 @@ def test_inconsistent_retry_policy_is_rejected(fields: dict[str, float], message
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match=message):
-        RetryPolicy(**fields)  # type: ignore[arg-type]
+        RetryPolicy(**fields)
