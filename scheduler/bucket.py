@@ -1,0 +1,166 @@
+"""Token buckets and the per-provider limiter with AIMD feedback ("Scheduling Concurrent Trajectories":
+admit turns against a local token bucket set below the provider's rate limit).
+
+Pure: every method takes ``now`` (monotonic seconds); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from scheduler.config import FeedbackConfig, ProviderLimits
+
+__all__ = ["ProviderLimiter", "TokenBucket"]
+
+# Float slack when comparing a level against a cost, so a bucket refilled to 99.99999999 of 100
+# does not make the scheduler spin waiting for the last femto-token.
+_EPS = 1e-9
+# The smallest wait ``ready_at`` reports when the bucket does not cover yet (never "now" by rounding).
+_MIN_WAIT_S = 1e-6
+
+
+class TokenBucket:
+    """A bucket of ``capacity`` units refilled continuously at ``rate`` units per second.
+
+    Starts at ``level`` (default empty: a fresh or restarted scheduler never begins with a burst).
+    The level may go negative after a debit (a turn used more than it reserved); the debt is paid
+    back by refill before anything else is admitted.
+    """
+
+    def __init__(self, capacity: float, rate: float, now: float, level: float = 0.0) -> None:
+        if capacity <= 0 or rate < 0:
+            raise ValueError(f"bucket needs capacity > 0 and rate >= 0, got {capacity=} {rate=}")
+        self.capacity = float(capacity)
+        self.rate = float(rate)
+        self._level = min(float(level), self.capacity)
+        self._at = now
+
+    def advance(self, now: float) -> None:
+        """Refill up to ``now`` at the current rate. Time never runs backwards here."""
+        if now > self._at:
+            self._level = min(self.capacity, self._level + (now - self._at) * self.rate)
+            self._at = now
+
+    def level(self, now: float) -> float:
+        self.advance(now)
+        return self._level
+
+    def covers(self, cost: float, now: float) -> bool:
+        return self.level(now) + _EPS >= cost
+
+    def take(self, cost: float, now: float) -> None:
+        """Remove ``cost`` units; the caller has checked ``covers``."""
+        self.advance(now)
+        self._level -= cost
+
+    def adjust(self, delta: float, now: float) -> None:
+        """Give back (``delta > 0``) or charge (``delta < 0``) units. A refund never lifts the level
+        above capacity: capacity is the largest burst we allow, whatever was over-reserved."""
+        self.advance(now)
+        self._level = min(self.capacity, self._level + delta)
+
+    def clamp(self, ceiling: float, now: float) -> None:
+        """Lower the level to at most ``ceiling`` (never raise it)."""
+        self.advance(now)
+        self._level = min(self._level, ceiling)
+
+    def ready_at(self, cost: float, now: float) -> float:
+        """The monotonic time at which ``cost`` will be covered at the current rate (inf: never)."""
+        level = self.level(now)
+        if level + _EPS >= cost:
+            return now
+        if cost > self.capacity + _EPS or self.rate <= 0:
+            return math.inf
+        return now + max((cost - level) / self.rate, _MIN_WAIT_S)
+
+
+class ProviderLimiter:
+    """Both buckets of one provider key (tokens/min and requests/min) plus the provider's feedback.
+
+    - 429: admission on this key stops until ``Retry-After``; the refill rate is multiplied by
+      ``decrease_factor`` (at most once per ``decrease_cooldown_s``) and the token level drops to
+      at most zero, since the provider just told us our view was too optimistic.
+    - ``x-ratelimit-remaining-*``: clamps the local levels to the provider's, less our headroom.
+    - While no 429 arrives, the rate recovers additively, never above the configured limit.
+
+    The refill over an interval uses the rate at the interval's start; the rate only grows between
+    429s, so this under-refills slightly and never admits above the configured rate.
+    """
+
+    def __init__(self, limits: ProviderLimits, feedback: FeedbackConfig, now: float) -> None:
+        self.limits = limits
+        self.feedback = feedback
+        self.tokens = TokenBucket(limits.token_capacity, limits.token_capacity / 60.0, now)
+        self.requests = TokenBucket(limits.request_capacity, limits.request_capacity / 60.0, now)
+        self.rate_factor = 1.0
+        self.blocked_until = -math.inf
+        self.rate_limited_count = 0
+        self._last_decrease = -math.inf
+        self._at = now
+
+    # ------------------------------------------------------------------ time
+
+    def advance(self, now: float) -> None:
+        if now <= self._at:
+            return
+        self.tokens.advance(now)
+        self.requests.advance(now)
+        if self.rate_factor < 1.0:
+            self.rate_factor = min(1.0, self.rate_factor + self.feedback.recovery_per_s * (now - self._at))
+            self._apply_rate()
+        self._at = now
+
+    def _apply_rate(self) -> None:
+        self.tokens.rate = self.tokens.capacity / 60.0 * self.rate_factor
+        self.requests.rate = self.requests.capacity / 60.0 * self.rate_factor
+
+    # ------------------------------------------------------------------ admission
+
+    def fits_ever(self, cost: int) -> bool:
+        """False when ``cost`` exceeds the token bucket's capacity: waiting would never help."""
+        return cost <= self.tokens.capacity + _EPS
+
+    def can_admit(self, cost: int, now: float) -> bool:
+        self.advance(now)
+        return now >= self.blocked_until and self.tokens.covers(cost, now) and self.requests.covers(1, now)
+
+    def admit(self, cost: int, now: float) -> None:
+        """Reserve ``cost`` tokens and one request; the caller has checked ``can_admit``."""
+        self.advance(now)
+        self.tokens.take(cost, now)
+        self.requests.take(1, now)
+
+    def ready_at(self, cost: int, now: float) -> float:
+        """Earliest monotonic time ``cost`` could be admitted (at the current rate)."""
+        self.advance(now)
+        return max(self.blocked_until, self.tokens.ready_at(cost, now), self.requests.ready_at(1, now))
+
+    def settle(self, reserved: int, actual: int, now: float) -> None:
+        """Replace the reservation by the provider-reported usage: refund or debit the difference."""
+        self.advance(now)
+        self.tokens.adjust(reserved - actual, now)
+
+    # ------------------------------------------------------------------ feedback
+
+    def on_rate_limited(self, retry_after: float | None, now: float) -> None:
+        self.advance(now)
+        self.rate_limited_count += 1
+        wait = self.feedback.default_retry_after_s if retry_after is None else max(0.0, retry_after)
+        self.blocked_until = max(self.blocked_until, now + wait)
+        self.tokens.clamp(0.0, now)
+        if now - self._last_decrease >= self.feedback.decrease_cooldown_s:
+            self.rate_factor = max(self.feedback.floor, self.rate_factor * self.feedback.decrease_factor)
+            self._last_decrease = now
+            self._apply_rate()
+
+    def observe_remaining(self, remaining: Mapping[str, float], now: float) -> None:
+        """Clamp to the provider's ``x-ratelimit-remaining-{tokens,requests}`` (header name or the bare
+        suffix), minus the headroom we keep below its limit."""
+        self.advance(now)
+        for key, value in remaining.items():
+            name = key.lower()
+            if name.endswith("tokens"):
+                self.tokens.clamp(value - self.limits.tokens_per_minute * self.limits.headroom, now)
+            elif name.endswith("requests"):
+                self.requests.clamp(value - self.limits.requests_per_minute * self.limits.headroom, now)

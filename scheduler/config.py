@@ -1,0 +1,107 @@
+"""Scheduler configuration: provider limits, class weights, sandbox pools, leases, feedback tuning.
+
+Pydantic because it crosses a boundary (workload files, the actor's constructor). Everything is
+validated once here so the pure algorithms can trust their inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+__all__ = [
+    "DEFAULT_CLASS_WEIGHTS",
+    "FeedbackConfig",
+    "ProviderLimits",
+    "SandboxPoolConfig",
+    "SchedulerConfig",
+]
+
+# "Scheduling Concurrent Trajectories", figure 7: interactive w=4, standard w=2, batch w=1.
+DEFAULT_CLASS_WEIGHTS: dict[str, float] = {"interactive": 4.0, "standard": 2.0, "batch": 1.0}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ProviderLimits(_Frozen):
+    """What the provider allows one key (base URL + model) per minute, and how far below it we stay.
+
+    The local buckets hold ``limit * (1 - headroom)`` and refill at that many per minute, so the
+    runtime decides who waits instead of discovering the limit through 429s.
+    """
+
+    tokens_per_minute: PositiveInt
+    requests_per_minute: PositiveInt
+    headroom: float = Field(default=0.05, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _room_for_one_request(self) -> Self:
+        if self.request_capacity < 1.0:
+            raise ValueError(
+                f"requests_per_minute={self.requests_per_minute} with headroom={self.headroom} "
+                "leaves no room for a single request"
+            )
+        return self
+
+    @property
+    def token_capacity(self) -> float:
+        return self.tokens_per_minute * (1.0 - self.headroom)
+
+    @property
+    def request_capacity(self) -> float:
+        return self.requests_per_minute * (1.0 - self.headroom)
+
+
+class FeedbackConfig(_Frozen):
+    """How provider feedback moves the local rate (AIMD: multiplicative decrease, additive increase)."""
+
+    decrease_factor: float = Field(default=0.5, gt=0.0, lt=1.0)  # rate *= this on each 429
+    floor: float = Field(default=0.05, gt=0.0, le=1.0)  # never below this fraction of the configured rate
+    recovery_per_s: PositiveFloat = 0.02  # fraction of the configured rate regained per quiet second
+    default_retry_after_s: float = Field(default=1.0, ge=0.0)  # a 429 without Retry-After still pauses
+    # A burst of in-flight requests rejected together is one signal, not many: decrease at most once per this.
+    decrease_cooldown_s: float = Field(default=1.0, ge=0.0)
+
+
+class SandboxPoolConfig(_Frozen):
+    """A pool of ``size`` sandboxes of which ``reserved`` only the reserved class may take."""
+
+    size: PositiveInt
+    reserved: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> Self:
+        if self.reserved > self.size:
+            raise ValueError(f"reserved ({self.reserved}) exceeds pool size ({self.size})")
+        return self
+
+
+class SchedulerConfig(_Frozen):
+    """Everything the scheduler core needs to know; nothing else is read from the environment."""
+
+    providers: dict[str, ProviderLimits] = Field(default_factory=dict)
+    # For a provider key not listed in ``providers``; None: an unknown key is an input error.
+    default_provider: ProviderLimits | None = None
+    class_weights: dict[str, PositiveFloat] = Field(default_factory=lambda: dict(DEFAULT_CLASS_WEIGHTS))
+    # DRR quantum Q_base in tokens: a class of weight w earns w * Q_base per round.
+    quantum_tokens: PositiveInt = 1024
+    pools: dict[str, SandboxPoolConfig] = Field(default_factory=dict)
+    reserved_class: str = "interactive"  # the class the sandbox reserve is kept for
+    turn_lease_s: PositiveFloat = 600.0  # an unsettled grant older than this is reclaimed
+    sandbox_lease_s: PositiveFloat = 1800.0  # an unreleased permit older than this is reclaimed
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
+
+    @model_validator(mode="after")
+    def _classes_consistent(self) -> Self:
+        if not self.class_weights:
+            raise ValueError("class_weights must name at least one priority class")
+        if self.pools and self.reserved_class not in self.class_weights:
+            raise ValueError(f"reserved_class {self.reserved_class!r} is not in class_weights")
+        return self
+
+    def limits_for(self, provider_key: str) -> ProviderLimits | None:
+        """The limits for ``provider_key``, falling back to ``default_provider``."""
+        return self.providers.get(provider_key, self.default_provider)

@@ -1,0 +1,508 @@
+"""SchedulerCore: admission across trajectories as a pure state machine.
+
+Requests go in (``submit_turn``, ``submit_sandbox``); ``tick()`` returns the decisions that are due
+now (admitted, permit granted, refused) and ``next_wakeup()`` says when calling ``tick()`` again could
+produce more. Settlement, release and provider feedback are immediate calls. The core reads only the
+injected ``Clock``; the async wrappers (``InProcessScheduler``, the actor) do the waiting.
+
+Per provider key there is one lane: a ``ProviderLimiter`` (the buckets) in front of a
+``DeficitRoundRobin`` (who is next). DRR picks the next turn; the turn goes when both buckets cover
+it. Per sandbox pool there is one ``SandboxPool``.
+
+Time: deadlines and lease expiries cross processes as epoch seconds (``runtime.ports``); inside the core
+they are converted once to the monotonic axis, on which buckets refill and leases expire.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from runtime.clock import Clock
+from runtime.errors import AdmissionRefused
+from runtime.ports import SandboxPermit, TurnGrant, TurnRequest
+from scheduler.bucket import ProviderLimiter
+from scheduler.config import SchedulerConfig
+from scheduler.drr import DeficitRoundRobin
+from scheduler.errors import Predicate, SchedulerInputError
+from scheduler.hooks import NoopMetrics, SchedulerMetrics
+from scheduler.sandbox import SandboxPool
+
+__all__ = [
+    "Admitted",
+    "Decision",
+    "LaneView",
+    "PermitGranted",
+    "PoolView",
+    "Refused",
+    "RequestKind",
+    "SchedulerCore",
+    "SchedulerSnapshot",
+    "SettleResult",
+]
+
+
+class RequestKind(StrEnum):
+    TURN = "turn"
+    SANDBOX = "sandbox"
+
+
+class SettleResult(StrEnum):
+    SETTLED = "settled"
+    UNKNOWN = "unknown"  # never granted, already settled, or reclaimed: nothing to do
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    ticket: int
+    grant: TurnGrant
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PermitGranted:
+    ticket: int
+    permit: SandboxPermit
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    ticket: int
+    kind: RequestKind
+    predicate: str
+    message: str
+
+    def error(self) -> AdmissionRefused:
+        return AdmissionRefused(self.predicate, self.message)
+
+
+Decision = Admitted | PermitGranted | Refused
+
+
+@dataclass(frozen=True, slots=True)
+class LaneView:
+    """One provider key as the scheduler sees it right now."""
+
+    tokens: float
+    token_capacity: float
+    requests: float
+    request_capacity: float
+    rate_factor: float
+    blocked_for_s: float
+    rate_limited: int
+    queued: Mapping[str, int]
+    deficits: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    size: int
+    reserved: int
+    in_use: int
+    in_use_unreserved: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSnapshot:
+    lanes: Mapping[str, LaneView]
+    pools: Mapping[str, PoolView]
+    pending: int
+    grants: int
+    permits: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    ticket: int
+    kind: RequestKind
+    trajectory_id: str
+    priority_class: str
+    submitted_at: float
+    deadline_at: float  # monotonic
+    target: str  # provider key (turn) or pool name (sandbox)
+    cost: int = 0
+
+
+@dataclass(slots=True)
+class _Lease:
+    lease_id: str
+    kind: RequestKind
+    trajectory_id: str
+    priority_class: str
+    target: str
+    expires_at: float  # monotonic
+    reserved: int = 0
+
+
+@dataclass(slots=True)
+class _Lane:
+    limiter: ProviderLimiter
+    drr: DeficitRoundRobin[int]
+
+
+class SchedulerCore:
+    """Token buckets + weighted DRR + sandbox semaphores + leases, driven by ``tick()``."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        clock: Clock,
+        metrics: SchedulerMetrics | None = None,
+        id_prefix: str | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics: SchedulerMetrics = metrics or NoopMetrics()
+        # A fresh prefix per incarnation: ids from before a restart never collide with new ones.
+        self._id_prefix = id_prefix or uuid.uuid4().hex[:8]
+        self._tickets = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self._lanes: dict[str, _Lane] = {}
+        self._pools: dict[str, SandboxPool[int]] = {
+            name: SandboxPool(name, pool, config.reserved_class, self._class_order())
+            for name, pool in config.pools.items()
+        }
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
+        self._leases: dict[str, _Lease] = {}
+        self._expiries: list[tuple[float, str]] = []  # heap; stale entries skipped
+        # Decided outside tick (refused at submission); handed out by the next tick.
+        self._ready: list[Decision] = []
+        for provider_key in config.providers:
+            self._lane(provider_key)  # configured keys start refilling (from empty) when the scheduler starts
+
+    def _class_order(self) -> list[str]:
+        return sorted(self.config.class_weights, key=lambda c: -self.config.class_weights[c])
+
+    # ------------------------------------------------------------------ time
+
+    def _to_monotonic(self, epoch_s: float) -> float:
+        return self.clock.now() + (epoch_s - self.clock.wall())
+
+    def _to_epoch(self, monotonic_s: float) -> float:
+        return self.clock.wall() + (monotonic_s - self.clock.now())
+
+    # ------------------------------------------------------------------ submit
+
+    def submit_turn(self, request: TurnRequest) -> int:
+        """Queue a turn for admission; its decision comes out of ``tick()``.
+
+        Raises ``SchedulerInputError`` for an unknown class or provider key, or negative tokens.
+        """
+        self._check_class(request.priority_class, "TurnRequest.priority_class")
+        if request.estimated_tokens < 0:
+            raise SchedulerInputError(
+                f"must be >= 0, got {request.estimated_tokens}", where="TurnRequest.estimated_tokens"
+            )
+        lane = self._lane(request.provider_key)
+        pending = self._new_pending(
+            RequestKind.TURN,
+            request.trajectory_id,
+            request.priority_class,
+            request.deadline,
+            request.provider_key,
+            request.estimated_tokens,
+        )
+        if not lane.limiter.fits_ever(request.estimated_tokens):
+            return self._refuse_now(
+                pending,
+                Predicate.EXCEEDS_CAPACITY,
+                f"turn of {request.estimated_tokens} tokens exceeds the bucket capacity "
+                f"{lane.limiter.tokens.capacity:.0f} of {request.provider_key!r}",
+            )
+        if pending.deadline_at <= pending.submitted_at:
+            return self._refuse_now(pending, Predicate.DEADLINE, "deadline already passed at submission")
+        self._enqueue(pending)
+        lane.drr.push(request.priority_class, pending.ticket, request.estimated_tokens)
+        return pending.ticket
+
+    def submit_sandbox(self, trajectory_id: str, pool: str, priority_class: str, deadline: float) -> int:
+        """Queue a sandbox acquisition; its permit (or refusal) comes out of ``tick()``."""
+        self._check_class(priority_class, "acquire_sandbox.priority_class")
+        sandbox_pool = self._pools.get(pool)
+        if sandbox_pool is None:
+            raise SchedulerInputError(f"unknown sandbox pool {pool!r}", where="acquire_sandbox.pool")
+        pending = self._new_pending(RequestKind.SANDBOX, trajectory_id, priority_class, deadline, pool)
+        if pending.deadline_at <= pending.submitted_at:
+            return self._refuse_now(pending, Predicate.DEADLINE, "deadline already passed at submission")
+        self._enqueue(pending)
+        sandbox_pool.enqueue(priority_class, pending.ticket)
+        return pending.ticket
+
+    def cancel(self, ticket: int) -> bool:
+        """Withdraw a waiting request (its requester went away). False if it was not waiting."""
+        pending = self._pending.pop(ticket, None)
+        if pending is None:
+            return False
+        self._withdraw(pending)
+        return True
+
+    def _check_class(self, priority_class: str, where: str) -> None:
+        if priority_class not in self.config.class_weights:
+            known = ", ".join(sorted(self.config.class_weights))
+            raise SchedulerInputError(
+                f"unknown priority class {priority_class!r} (known: {known})", where=where
+            )
+
+    def _lane(self, provider_key: str) -> _Lane:
+        lane = self._lanes.get(provider_key)
+        if lane is None:
+            limits = self.config.limits_for(provider_key)
+            if limits is None:
+                raise SchedulerInputError(
+                    f"no limits configured for provider key {provider_key!r}",
+                    where="TurnRequest.provider_key",
+                )
+            # Buckets start empty: after a restart we cannot know what was spent, so no burst.
+            lane = _Lane(
+                ProviderLimiter(limits, self.config.feedback, self.clock.now()),
+                DeficitRoundRobin(self.config.class_weights, self.config.quantum_tokens),
+            )
+            self._lanes[provider_key] = lane
+        return lane
+
+    def _new_pending(
+        self,
+        kind: RequestKind,
+        trajectory_id: str,
+        priority_class: str,
+        deadline: float,
+        target: str,
+        cost: int = 0,
+    ) -> _Pending:
+        now = self.clock.now()
+        return _Pending(
+            next(self._tickets),
+            kind,
+            trajectory_id,
+            priority_class,
+            now,
+            self._to_monotonic(deadline),
+            target,
+            cost,
+        )
+
+    def _enqueue(self, pending: _Pending) -> None:
+        self._pending[pending.ticket] = pending
+        heapq.heappush(self._deadlines, (pending.deadline_at, pending.ticket))
+
+    def _refuse_now(self, pending: _Pending, predicate: str, message: str) -> int:
+        self._ready.append(self._refusal(pending, predicate, message))
+        return pending.ticket
+
+    def _refusal(self, pending: _Pending, predicate: str, message: str) -> Refused:
+        self.metrics.refused(pending.kind, pending.priority_class, predicate)
+        return Refused(pending.ticket, pending.kind, predicate, message)
+
+    def _withdraw(self, pending: _Pending) -> None:
+        if pending.kind is RequestKind.TURN:
+            self._lanes[pending.target].drr.remove(pending.ticket)
+        else:
+            self._pools[pending.target].remove(pending.ticket)
+
+    # ------------------------------------------------------------------ decide
+
+    def tick(self) -> list[Decision]:
+        """Everything decidable now: expire leases, refuse expired requests, admit what fits."""
+        now = self.clock.now()
+        decisions, self._ready = self._ready, []
+        self._expire_leases(now)
+        decisions.extend(self._expire_deadlines(now))
+        for key, lane in self._lanes.items():
+            decisions.extend(self._admit_lane(key, lane, now))
+        for pool in self._pools.values():
+            for class_name, ticket in pool.dispatch():
+                decisions.append(self._grant_permit(self._pending.pop(ticket), pool.name, class_name, now))
+        return decisions
+
+    def _admit_lane(self, key: str, lane: _Lane, now: float) -> list[Decision]:
+        admitted: list[Decision] = []
+        while (head := lane.drr.peek()) is not None:
+            _, ticket, cost = head
+            if not lane.limiter.can_admit(cost, now):
+                break  # head-of-line: the next turn DRR chose waits for the bucket; nobody jumps it
+            lane.drr.pop()
+            lane.limiter.admit(cost, now)
+            pending = self._pending.pop(ticket)
+            lease = self._new_lease(RequestKind.TURN, pending, self.config.turn_lease_s, now, reserved=cost)
+            grant = TurnGrant(lease.lease_id, cost, self._to_epoch(lease.expires_at))
+            waited = now - pending.submitted_at
+            self.metrics.admission_wait(pending.priority_class, waited)
+            admitted.append(Admitted(ticket, grant, waited))
+        if admitted:
+            self._report_levels(key, lane, now)
+        return admitted
+
+    def _grant_permit(self, pending: _Pending, pool: str, class_name: str, now: float) -> PermitGranted:
+        lease = self._new_lease(RequestKind.SANDBOX, pending, self.config.sandbox_lease_s, now)
+        permit = SandboxPermit(lease.lease_id, pool, self._to_epoch(lease.expires_at))
+        return PermitGranted(pending.ticket, permit, now - pending.submitted_at)
+
+    def _new_lease(
+        self, kind: RequestKind, pending: _Pending, ttl: float, now: float, reserved: int = 0
+    ) -> _Lease:
+        prefix = "g" if kind is RequestKind.TURN else "p"
+        lease = _Lease(
+            f"{prefix}-{self._id_prefix}-{next(self._lease_ids)}",
+            kind,
+            pending.trajectory_id,
+            pending.priority_class,
+            pending.target,
+            now + ttl,
+            reserved,
+        )
+        self._leases[lease.lease_id] = lease
+        heapq.heappush(self._expiries, (lease.expires_at, lease.lease_id))
+        return lease
+
+    def _expire_deadlines(self, now: float) -> list[Decision]:
+        refused: list[Decision] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, ticket = heapq.heappop(self._deadlines)
+            pending = self._pending.pop(ticket, None)
+            if pending is None:
+                continue  # already decided
+            self._withdraw(pending)
+            refused.append(
+                self._refusal(
+                    pending, Predicate.DEADLINE, f"deadline passed while waiting for {pending.kind}"
+                )
+            )
+        return refused
+
+    def _expire_leases(self, now: float) -> None:
+        while self._expiries and self._expiries[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiries)
+            self._drop_lease(lease_id)
+
+    def _drop_lease(self, lease_id: str) -> _Lease | None:
+        """Forget a lease. A turn's reserved tokens stay spent (the call may have gone out);
+        a sandbox goes back to its pool."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None and lease.kind is RequestKind.SANDBOX:
+            self._pools[lease.target].release(lease.priority_class)
+        return lease
+
+    def next_wakeup(self) -> float | None:
+        """The monotonic time at which ``tick()`` may decide something new (None: only a new call can)."""
+        now = self.clock.now()
+        if self._ready:
+            return now
+        times: list[float] = []
+        for lane in self._lanes.values():
+            head = lane.drr.peek()
+            if head is not None:
+                times.append(lane.limiter.ready_at(head[2], now))
+        while self._deadlines and self._deadlines[0][1] not in self._pending:
+            heapq.heappop(self._deadlines)
+        if self._deadlines:
+            times.append(self._deadlines[0][0])
+        while self._expiries and self._expiries[0][1] not in self._leases:
+            heapq.heappop(self._expiries)
+        if self._expiries:
+            times.append(self._expiries[0][0])
+        finite = [t for t in times if t != math.inf]
+        return min(finite) if finite else None
+
+    # ------------------------------------------------------------------ settle / release / feedback
+
+    def settle_turn(self, grant_id: str, actual_tokens: int) -> SettleResult:
+        """Replace a grant's reservation by the provider-reported usage (refund or debit exactly)."""
+        if actual_tokens < 0:
+            raise SchedulerInputError(f"must be >= 0, got {actual_tokens}", where="settle_turn.actual_tokens")
+        lease = self._leases.get(grant_id)
+        if lease is None or lease.kind is not RequestKind.TURN:
+            return SettleResult.UNKNOWN
+        del self._leases[grant_id]
+        lane = self._lanes[lease.target]
+        now = self.clock.now()
+        lane.limiter.settle(lease.reserved, actual_tokens, now)
+        self._report_levels(lease.target, lane, now)
+        return SettleResult.SETTLED
+
+    def release_sandbox(self, permit_id: str) -> bool:
+        """Give a sandbox back. False if the permit is unknown (already released or reclaimed)."""
+        lease = self._leases.get(permit_id)
+        if lease is None or lease.kind is not RequestKind.SANDBOX:
+            return False
+        self._drop_lease(permit_id)
+        return True
+
+    def report_rate_limited(
+        self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float] | None = None
+    ) -> None:
+        """The provider answered 429 on ``provider_key``: pause the key, slow down, clamp."""
+        lane = self._lane(provider_key)
+        now = self.clock.now()
+        lane.limiter.on_rate_limited(retry_after, now)
+        if remaining:
+            lane.limiter.observe_remaining(remaining, now)
+        self.metrics.rate_limited(provider_key)
+        self._report_levels(provider_key, lane, now)
+
+    def observe_remaining(self, provider_key: str, remaining: Mapping[str, float]) -> None:
+        """A successful response's ``x-ratelimit-remaining-*``: never be more optimistic than the provider."""
+        lane = self._lane(provider_key)
+        lane.limiter.observe_remaining(remaining, self.clock.now())
+
+    def reclaim(self, is_alive: Callable[[str], bool]) -> list[str]:
+        """Drop every lease whose holder is gone and refuse its waiting requests; returns lease ids."""
+        dead_leases = [lid for lid, lease in self._leases.items() if not is_alive(lease.trajectory_id)]
+        for lease_id in dead_leases:
+            self._drop_lease(lease_id)
+        for pending in [p for p in self._pending.values() if not is_alive(p.trajectory_id)]:
+            del self._pending[pending.ticket]
+            self._withdraw(pending)
+            self._ready.append(self._refusal(pending, Predicate.HOLDER_GONE, "requesting trajectory is gone"))
+        return dead_leases
+
+    def refuse_all(self, predicate: str, message: str) -> list[Decision]:
+        """Refuse every waiting request (the scheduler is shutting down)."""
+        refused = [self._refusal(p, predicate, message) for p in self._pending.values()]
+        for pending in list(self._pending.values()):
+            self._withdraw(pending)
+        self._pending.clear()
+        return [*self._ready, *refused]
+
+    # ------------------------------------------------------------------ introspection
+
+    def _report_levels(self, key: str, lane: _Lane, now: float) -> None:
+        limiter = lane.limiter
+        self.metrics.bucket_level(key, "tokens", limiter.tokens.level(now), limiter.tokens.capacity)
+        self.metrics.bucket_level(key, "requests", limiter.requests.level(now), limiter.requests.capacity)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        now = self.clock.now()
+        lanes = {
+            key: LaneView(
+                tokens=lane.limiter.tokens.level(now),
+                token_capacity=lane.limiter.tokens.capacity,
+                requests=lane.limiter.requests.level(now),
+                request_capacity=lane.limiter.requests.capacity,
+                rate_factor=lane.limiter.rate_factor,
+                blocked_for_s=max(0.0, lane.limiter.blocked_until - now),
+                rate_limited=lane.limiter.rate_limited_count,
+                queued=lane.drr.depth(),
+                deficits=lane.drr.deficits(),
+            )
+            for key, lane in self._lanes.items()
+        }
+        pools = {
+            name: PoolView(pool.size, pool.reserved, pool.in_use, pool.in_use_unreserved, pool.waiting)
+            for name, pool in self._pools.items()
+        }
+        leases = list(self._leases.values())
+        return SchedulerSnapshot(
+            lanes=lanes,
+            pools=pools,
+            pending=len(self._pending),
+            grants=sum(1 for lease in leases if lease.kind is RequestKind.TURN),
+            permits=sum(1 for lease in leases if lease.kind is RequestKind.SANDBOX),
+        )
