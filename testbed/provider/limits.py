@@ -155,7 +155,8 @@ class SlidingWindowLimiter:
     # ------------------------------------------------------------------ internals
 
     def _expire(self, now: float) -> None:
-        horizon = now - self._window
+        # The epsilon keeps "retry after exactly retry_after_s" true despite float rounding.
+        horizon = now - self._window + 1e-9
         while self._entries and self._entries[0].at <= horizon:
             old = self._entries.popleft()
             del self._by_ticket[old.ticket]
