@@ -10,8 +10,11 @@ three phenomena with separate detectors, plus §4.5's coarse detector against tr
 - **cycling / oscillation**: the state digest returns to one seen at lag ≥ 2 (equation 6, period p ≥ 2:
   A, B, A, B), counted as recurrences; one planned backtrack is tolerated, repeated recurrence is not;
 - **stagnation**: the state digest does not advance for ``steps`` consecutive steps (period 1,
-  "stutter" turns). Steps that wait on a pending job (polling) neither count nor reset: an unchanged
-  workspace while a background test runs is not a loop (§12.6.1).
+  "stutter" turns).
+
+Steps marked ``waiting_on_job`` (polling a pending asynchronous job) are exempt from every detector:
+they neither count nor reset. An unchanged workspace and a repeated status call while a background test
+runs are not a loop (§12.6.1); the job's own deadline bounds the polling instead.
 
 Tolerances are greater than one because legitimate repetition exists (§4.4: polling, pagination,
 retry after a transient error). A verdict is evidence, not proof: the caller turns it into the
@@ -138,10 +141,14 @@ def recurrence_period(window: Sequence[str], current: str) -> int | None:
 
 def _exact(history: Sequence[WatchdogStep], cfg: WatchdogConfig) -> WatchdogFinding | None:
     latest = history[-1].call_fingerprint
-    if latest is None:
+    if latest is None or history[-1].waiting_on_job:
         return None
     start = max(0, len(history) - cfg.exact_window)
-    hits = tuple(i for i in range(start, len(history)) if history[i].call_fingerprint == latest)
+    hits = tuple(
+        i
+        for i in range(start, len(history))
+        if history[i].call_fingerprint == latest and not history[i].waiting_on_job
+    )
     if len(hits) < cfg.exact_limit:
         return None
     return WatchdogFinding(
@@ -154,10 +161,14 @@ def _exact(history: Sequence[WatchdogStep], cfg: WatchdogConfig) -> WatchdogFind
 
 def _coarse(history: Sequence[WatchdogStep], cfg: WatchdogConfig) -> WatchdogFinding | None:
     latest = history[-1].coarse_fingerprint
-    if latest is None:
+    if latest is None or history[-1].waiting_on_job:
         return None
     start = max(0, len(history) - cfg.coarse_window)
-    hits = tuple(i for i in range(start, len(history)) if history[i].coarse_fingerprint == latest)
+    hits = tuple(
+        i
+        for i in range(start, len(history))
+        if history[i].coarse_fingerprint == latest and not history[i].waiting_on_job
+    )
     variants = {history[i].call_fingerprint for i in hits}
     # Same target with one identical call is the exact detector's case, not a variation.
     if len(hits) < cfg.coarse_limit or len(variants) < 2:

@@ -113,7 +113,9 @@ def test_retries_and_tool_charges_are_all_charged() -> None:
     # Given one turn whose model call needed three attempts and one paid tool call
     attempt = meter_model_call(Usage(uncached_input=1_000, output=100), PRICES)
     # When every attempt and the tool charge are metered
-    spend = Spend.total([meter_turn(), attempt, attempt, attempt, meter_tool_call(0.25, sandbox_seconds=12.0)])
+    spend = Spend.total(
+        [meter_turn(), attempt, attempt, attempt, meter_tool_call(0.25, sandbox_seconds=12.0)]
+    )
     # Then tokens and dollars count three attempts, the turn counts once
     assert spend[Dimension.TURNS] == 1
     assert spend[Dimension.TOKENS] == 3 * 1_100

@@ -27,7 +27,9 @@ SAME_CALL_TEXTS = [
     '{"mode":"w","path":"src/café.py"}',  # key order, whitespace
     '{ "mode" : "w" ,\n  "path" : "src\\/café.py" }',  # \/ escaping
     '{"mode": "w", "path": "src/caf\\u00e9.py"}',  # \u00e9 escaping
-    json.dumps({"mode": "w", "path": unicodedata.normalize("NFD", "src/café.py")}),  # NFD e + combining accent
+    json.dumps(
+        {"mode": "w", "path": unicodedata.normalize("NFD", "src/café.py")}
+    ),  # NFD e + combining accent
     '{"mode": "w", "path": "src/café.py", "request_id": "r-17", "nonce": "x9", "trace_id": "t"}',  # volatile
     '{"mode": "w", "path": "src/café.py", "timestamp": 1700000000, "attempt": 3}',
 ]
@@ -158,7 +160,9 @@ def test_effect_key_rejects_bad_identity(trajectory: str, step: int) -> None:
 
 # Keys are NFC already, so no two keys of one object collide after normalisation.
 nfc_keys = st.text(max_size=6).map(lambda k: unicodedata.normalize("NFC", k))
-json_scalars = st.none() | st.booleans() | st.integers() | st.text() | st.floats(allow_nan=False, allow_infinity=False)
+json_scalars = (
+    st.none() | st.booleans() | st.integers() | st.text() | st.floats(allow_nan=False, allow_infinity=False)
+)
 json_values = st.recursive(
     json_scalars,
     lambda children: st.lists(children, max_size=4) | st.dictionaries(nfc_keys, children, max_size=4),
@@ -178,9 +182,15 @@ def _shuffled(value: Any, rnd: Any) -> Any:
 
 
 @given(json_objects, st.randoms())
-def test_permuting_keys_and_reserialising_never_changes_the_fingerprint(args: dict[str, Any], rnd: Any) -> None:
+def test_permuting_keys_and_reserialising_never_changes_the_fingerprint(
+    args: dict[str, Any], rnd: Any
+) -> None:
     # Given any JSON object, its keys permuted at every level, and a different serialisation of it
     permuted = _shuffled(args, rnd)
     reparsed = json.loads(json.dumps(permuted, ensure_ascii=True, indent=1))
     # Then the fingerprint is the same
-    assert call_fingerprint("tool", args) == call_fingerprint("tool", permuted) == call_fingerprint("tool", reparsed)
+    assert (
+        call_fingerprint("tool", args)
+        == call_fingerprint("tool", permuted)
+        == call_fingerprint("tool", reparsed)
+    )
