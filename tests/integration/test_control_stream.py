@@ -1,0 +1,241 @@
+"""The control transport on a real redis-server: consumer groups, acks, takeover of a dead consumer's
+pending messages with XAUTOCLAIM, and the trimmed live-events stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from cluster.control import ControlAction, ControlMessage, ControlStream, LiveEvent
+from cluster.signing import Keyring, Role, Verifier, sign
+
+pytestmark = pytest.mark.integration
+
+GROUP = "relays"
+
+
+@pytest.fixture
+async def stream(redis_url: str) -> AsyncIterator[ControlStream]:
+    async with ControlStream.from_url(redis_url, events_maxlen=10) as s:
+        yield s
+
+
+def message(n: int, action: ControlAction = ControlAction.PAUSE) -> ControlMessage:
+    return ControlMessage.create(f"t-{n}", action, "alice", now=1_700_000_000.0 + n, reason=f"#{n}")
+
+
+async def test_published_messages_reach_a_group_consumer_and_are_acked(stream: ControlStream) -> None:
+    # Given a consumer group and three published messages
+    assert await stream.ensure_group(GROUP) is True
+    sent = [message(i) for i in range(3)]
+    entry_ids = [await stream.publish(m) for m in sent]
+
+    # When a relay reads them
+    got = await stream.read(GROUP, "relay-1", count=10)
+
+    # Then it gets all three, decoded, in order, and they stay pending until acked
+    assert [d.entry_id for d in got] == entry_ids
+    assert [d.message for d in got] == sent and all(d.error is None for d in got)
+    assert await stream.pending_count(GROUP) == 3
+    assert await stream.ack(GROUP, *entry_ids) == 3
+    assert await stream.pending_count(GROUP) == 0
+    assert await stream.read(GROUP, "relay-1") == []
+
+
+async def test_creating_the_group_is_idempotent_and_sees_earlier_messages(stream: ControlStream) -> None:
+    # Given a message published before any relay existed
+    first = message(1)
+    await stream.publish(first)
+
+    # When two relays both ensure the group
+    created = [await stream.ensure_group(GROUP), await stream.ensure_group(GROUP)]
+
+    # Then it was created once and the early message is delivered
+    assert created == [True, False]
+    assert [d.message for d in await stream.read(GROUP, "relay-1")] == [first]
+
+
+async def test_a_dead_consumers_pending_messages_are_claimed_by_another(stream: ControlStream) -> None:
+    # Given relay-1 read two messages and died before acking them
+    await stream.ensure_group(GROUP)
+    sent = [message(1), message(2)]
+    for m in sent:
+        await stream.publish(m)
+    taken_by_dead = await stream.read(GROUP, "relay-1", count=10)
+    assert len(taken_by_dead) == 2
+
+    # When relay-2 asks for entries idle longer than a minute, nothing is taken from a live-looking owner
+    assert (await stream.claim_stale(GROUP, "relay-2", min_idle_ms=60_000)).deliveries == []
+
+    # And when it polls with a short idle threshold (bounded wait, no fixed sleep)
+    claimed = []
+    deadline = time.monotonic() + 10.0
+    while not claimed and time.monotonic() < deadline:
+        result = await stream.claim_stale(GROUP, "relay-2", min_idle_ms=50)
+        claimed = result.deliveries
+        if not claimed:
+            await asyncio.sleep(0.02)
+
+    # Then relay-2 owns both messages exactly once and, after acking, nothing is pending
+    assert [d.message for d in claimed] == sent
+    assert (await stream.claim_stale(GROUP, "relay-3", min_idle_ms=60_000)).deliveries == []
+    assert await stream.ack(GROUP, *[d.entry_id for d in claimed]) == 2
+    assert await stream.pending_count(GROUP) == 0
+    assert await stream.read(GROUP, "relay-1", pending=True) == []
+
+
+async def test_a_restarted_consumer_rereads_its_own_pending_messages(stream: ControlStream) -> None:
+    # Given relay-1 read a message and restarted (same name) before acking
+    await stream.ensure_group(GROUP)
+    sent = message(7, ControlAction.KILL)
+    await stream.publish(sent)
+    await stream.read(GROUP, "relay-1")
+
+    # When it reads its pending entries and then new ones
+    pending = await stream.read(GROUP, "relay-1", pending=True)
+    fresh = await stream.read(GROUP, "relay-1")
+
+    # Then the unacked message comes back, and it is not delivered as new again
+    assert [d.message for d in pending] == [sent]
+    assert fresh == []
+
+
+async def test_a_blocking_read_wakes_on_publish(stream: ControlStream, redis_url: str) -> None:
+    # Given a relay blocked on the group
+    await stream.ensure_group(GROUP)
+    reader = asyncio.create_task(stream.read(GROUP, "relay-1", block_ms=5_000))
+
+    # When an operator publishes from another connection
+    async with ControlStream.from_url(redis_url) as operator:
+        sent = message(3, ControlAction.CANCEL)
+        await operator.publish(sent)
+
+    # Then the blocked read returns it
+    got = await asyncio.wait_for(reader, timeout=10)
+    assert [d.message for d in got] == [sent]
+
+
+async def test_a_foreign_or_corrupt_entry_is_delivered_as_an_error_not_an_exception(
+    stream: ControlStream, redis_url: str
+) -> None:
+    # Given a garbage entry and a good message on the stream
+    await stream.ensure_group(GROUP)
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        bad_id = (await raw.xadd("tether:control", {b"m": b"\xc1not msgpack"})).decode()
+        no_field_id = (await raw.xadd("tether:control", {b"x": b"1"})).decode()
+    finally:
+        await raw.aclose()
+    good = message(4)
+    await stream.publish(good)
+
+    # When the relay reads
+    got = await stream.read(GROUP, "relay-1", count=10)
+
+    # Then the bad entries carry a CodecError (so they can be audited and acked) and the good one decodes
+    assert [d.entry_id for d in got][:2] == [bad_id, no_field_id]
+    assert got[0].message is None and got[0].error is not None and "msgpack" in str(got[0].error)
+    assert got[1].message is None and got[1].error is not None
+    assert got[2].message == good
+    assert await stream.ack(GROUP, *[d.entry_id for d in got]) == 3
+
+
+async def test_claiming_entries_that_were_trimmed_reports_them_as_deleted(
+    stream: ControlStream, redis_url: str
+) -> None:
+    # Given a pending message whose entry was then trimmed from the stream
+    await stream.ensure_group(GROUP)
+    entry_id = await stream.publish(message(5))
+    await stream.read(GROUP, "relay-1")
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.xtrim("tether:control", maxlen=0)
+    finally:
+        await raw.aclose()
+
+    # When another relay claims stale entries
+    result = await stream.claim_stale(GROUP, "relay-2", min_idle_ms=0)
+
+    # Then the lost entry is reported, not delivered, and no longer pending
+    assert result.deliveries == [] and result.deleted_ids == [entry_id]
+    assert await stream.pending_count(GROUP) == 0
+
+
+async def test_a_signed_message_verifies_after_crossing_redis(stream: ControlStream) -> None:
+    # Given an operator key in a keyring and a signed approval
+    key = Ed25519PrivateKey.generate()
+    keyring = Keyring().with_identity("alice", key.public_key(), [Role.OPERATOR])
+    sent = sign(
+        ControlMessage.create("t-1", "approve", "alice", now=1000.0, payload={"call_digest": "c0ffee"}),
+        "alice",
+        key,
+    )
+    await stream.ensure_group(GROUP)
+    await stream.publish(sent)
+
+    # When a relay reads it back
+    (delivery,) = await stream.read(GROUP, "relay-1")
+
+    # Then the signature still verifies
+    assert delivery.message is not None
+    verified = Verifier(keyring).verify(delivery.message, 1001.0, lambda *_: False)
+    assert verified.signers == ("alice",)
+
+
+# --------------------------------------------------------------------------- tether:events
+
+
+async def test_the_events_stream_is_trimmed_to_about_maxlen(stream: ControlStream, redis_url: str) -> None:
+    # Given a stream capped at about 10 events, and the server's trimming granularity
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        node = int((await raw.config_get("stream-node-max-entries"))["stream-node-max-entries"])
+    finally:
+        await raw.aclose()
+
+    # When 1000 state changes are published
+    for i in range(1000):
+        await stream.publish_event(
+            LiveEvent(trajectory_id=f"t-{i % 7}", kind="state", at=float(i), data={"n": i})
+        )
+
+    # Then the stream holds at least the last 10 and at most one trimming unit more, newest last
+    length = await stream.events_length()
+    assert 10 <= length <= 10 + node
+    recent = await stream.read_events(after="0", count=2000)
+    assert len(recent) == length
+    assert [e.data["n"] for _, e in recent] == list(range(1000 - length, 1000))
+
+
+async def test_a_live_view_sees_events_published_after_it_started(
+    stream: ControlStream, redis_url: str
+) -> None:
+    # Given a view waiting for new events only
+    await stream.publish_event(LiveEvent(trajectory_id="old", kind="state", at=1.0))
+    view = asyncio.create_task(stream.read_events("$", block_ms=5_000))
+
+    # When a trajectory publishes a state change from another connection
+    async with ControlStream.from_url(redis_url) as actor_side:
+        event = LiveEvent(trajectory_id="t-1", kind="state", at=2.0, data={"state": "PAUSED"})
+        entry_id = await actor_side.publish_event(event)
+
+    # Then the view gets exactly that event, and can continue from its id
+    got = await asyncio.wait_for(view, timeout=10)
+    assert got == [(entry_id, event)]
+    assert await stream.read_events(after=entry_id) == []
+
+
+async def test_undecodable_events_are_skipped_by_a_view(stream: ControlStream, redis_url: str) -> None:
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.xadd("tether:events", {b"m": b"\xc1"})
+    finally:
+        await raw.aclose()
+    good = LiveEvent(trajectory_id="t", kind="state", at=3.0)
+    await stream.publish_event(good)
+    assert [e for _, e in await stream.read_events(after="0")] == [good]
