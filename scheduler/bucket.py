@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 
 from scheduler.config import FeedbackConfig, ProviderLimits
+from scheduler.window import WindowLedger
 
 __all__ = ["ProviderLimiter", "TokenBucket"]
 
@@ -78,6 +79,10 @@ class TokenBucket:
 class ProviderLimiter:
     """Both buckets of one provider key (tokens/min and requests/min) plus the provider's feedback.
 
+    Each bucket is paired with a sliding-window ledger of the same capacity, so admissions in any
+    window of ``window_s`` (a minute) never exceed it either: providers count per-minute limits over a
+    sliding window, where a bucket alone would allow a full burst plus a full minute of refill.
+
     - 429: admission on this key stops until ``Retry-After``; the refill rate is multiplied by
       ``decrease_factor`` (at most once per ``decrease_cooldown_s``) and the token level drops to
       at most zero, since the provider just told us our view was too optimistic.
@@ -93,6 +98,8 @@ class ProviderLimiter:
         self.feedback = feedback
         self.tokens = TokenBucket(limits.token_capacity, limits.token_capacity / 60.0, now)
         self.requests = TokenBucket(limits.request_capacity, limits.request_capacity / 60.0, now)
+        self.token_window = WindowLedger(limits.token_capacity, limits.window_s)
+        self.request_window = WindowLedger(limits.request_capacity, limits.window_s)
         self.rate_factor = 1.0
         self.blocked_until = -math.inf
         self.rate_limited_count = 0
@@ -123,23 +130,40 @@ class ProviderLimiter:
 
     def can_admit(self, cost: int, now: float) -> bool:
         self.advance(now)
-        return now >= self.blocked_until and self.tokens.covers(cost, now) and self.requests.covers(1, now)
+        return (
+            now >= self.blocked_until
+            and self.tokens.covers(cost, now)
+            and self.requests.covers(1, now)
+            and self.token_window.covers(cost, now)
+            and self.request_window.covers(1, now)
+        )
 
-    def admit(self, cost: int, now: float) -> None:
-        """Reserve ``cost`` tokens and one request; the caller has checked ``can_admit``."""
+    def admit(self, cost: int, now: float) -> int:
+        """Reserve ``cost`` tokens and one request; the caller has checked ``can_admit``.
+        Returns the reservation's ledger id, needed to ``settle`` it."""
         self.advance(now)
         self.tokens.take(cost, now)
         self.requests.take(1, now)
+        self.request_window.add(1, now)
+        return self.token_window.add(cost, now)
 
     def ready_at(self, cost: int, now: float) -> float:
         """Earliest monotonic time ``cost`` could be admitted (at the current rate)."""
         self.advance(now)
-        return max(self.blocked_until, self.tokens.ready_at(cost, now), self.requests.ready_at(1, now))
+        return max(
+            self.blocked_until,
+            self.tokens.ready_at(cost, now),
+            self.requests.ready_at(1, now),
+            self.token_window.ready_at(cost, now),
+            self.request_window.ready_at(1, now),
+        )
 
-    def settle(self, reserved: int, actual: int, now: float) -> None:
+    def settle(self, reserved: int, actual: int, now: float, ledger_id: int | None = None) -> None:
         """Replace the reservation by the provider-reported usage: refund or debit the difference."""
         self.advance(now)
         self.tokens.adjust(reserved - actual, now)
+        if ledger_id is not None:
+            self.token_window.correct(ledger_id, actual)
 
     # ------------------------------------------------------------------ feedback
 

@@ -36,6 +36,7 @@ class ProviderLimits(_Frozen):
     tokens_per_minute: PositiveInt
     requests_per_minute: PositiveInt
     headroom: float = Field(default=0.05, ge=0.0, lt=1.0)
+    window_s: PositiveFloat = 60.0  # the provider's accounting window for "per minute"
 
     @model_validator(mode="after")
     def _room_for_one_request(self) -> Self:

@@ -139,6 +139,7 @@ class _Lease:
     target: str
     expires_at: float  # monotonic
     reserved: int = 0
+    ledger_id: int | None = None  # the reservation's entry in the provider key's window ledger
 
 
 @dataclass(slots=True)
@@ -329,9 +330,10 @@ class SchedulerCore:
             if not lane.limiter.can_admit(cost, now):
                 break  # head-of-line: the next turn DRR chose waits for the bucket; nobody jumps it
             lane.drr.pop()
-            lane.limiter.admit(cost, now)
+            ledger_id = lane.limiter.admit(cost, now)
             pending = self._pending.pop(ticket)
             lease = self._new_lease(RequestKind.TURN, pending, self.config.turn_lease_s, now, reserved=cost)
+            lease.ledger_id = ledger_id
             grant = TurnGrant(lease.lease_id, cost, self._to_epoch(lease.expires_at))
             waited = now - pending.submitted_at
             self.metrics.admission_wait(pending.priority_class, waited)
@@ -423,7 +425,7 @@ class SchedulerCore:
         del self._leases[grant_id]
         lane = self._lanes[lease.target]
         now = self.clock.now()
-        lane.limiter.settle(lease.reserved, actual_tokens, now)
+        lane.limiter.settle(lease.reserved, actual_tokens, now, lease.ledger_id)
         self._report_levels(lease.target, lane, now)
         return SettleResult.SETTLED
 

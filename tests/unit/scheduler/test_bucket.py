@@ -50,8 +50,9 @@ def test_admission_needs_both_buckets() -> None:
     # When a small turn asks, Then it is refused although tokens are plentiful
     assert limiter.tokens.level(now) > 50_000
     assert not limiter.can_admit(10, now)
-    # And it fits once one request has refilled (570/60 per second)
-    assert limiter.ready_at(10, now) == pytest.approx(now + 60.0 / 570)
+    # And it fits only once the first of those requests leaves the one-minute window
+    assert limiter.requests.ready_at(1, now) == pytest.approx(now + 60.0 / 570)
+    assert limiter.ready_at(10, now) == pytest.approx(now + 60.0)
 
 
 @pytest.mark.parametrize(

@@ -71,16 +71,17 @@ def test_classes_share_the_bucket_by_weight_under_saturation(clock: FakeClock, c
     for cls, size in sizes.items():
         for _ in range(600_000 // size + 1):  # each class alone could fill the whole run
             tickets[core.submit_turn(turn(clock, cls, size))] = cls
-    # When 10 simulated minutes pass
+    # When 10 simulated minutes pass, ticking whenever the core asks to be woken
     tokens = dict.fromkeys(sizes, 0)
-    for _ in range(600):
-        clock.advance(1.0)
+    end = clock.now() + 600.0
+    while (wake := core.next_wakeup()) is not None and wake <= end:
+        clock.advance(max(0.0, wake - clock.now()))
         for decision in admitted(core.tick()):
             tokens[tickets[decision.ticket]] += decision.grant.reserved_tokens
-    # Then shares of tokens follow 4:2:1 within a percentage point, and the bucket was the limit
+    # Then shares of tokens follow 4:2:1 within a percentage point, and the limit was used, never exceeded
+    # (the one-minute window ledger can leave a few percent idle waiting for room for a large head turn)
     total = sum(tokens.values())
-    assert total <= 600 * 1_000
-    assert total >= 600 * 1_000 - 4_000
+    assert 0.95 * 600_000 <= total <= 600_000
     for cls, weight in CONFIG.class_weights.items():
         assert tokens[cls] / total == pytest.approx(weight / 7.0, abs=0.01)
 
@@ -240,8 +241,9 @@ def test_admitted_tokens_never_exceed_capacity_in_any_window(
     arrivals: list[tuple[float, str, int, float]],
 ) -> None:
     """Random arrival times, classes and turn sizes, each settled on admission with a random fraction of
-    its reservation. Over any window [a, b] the tokens used by turns admitted in it are at most
-    capacity + rate * (b - a); within the first minute after start, at most rate * (b - start) ≤ capacity."""
+    its reservation. Over any window [a, b] shorter than a minute the tokens used by turns admitted in it
+    are at most the capacity (the provider counts per minute over a sliding window); over any window,
+    at most capacity + rate * (b - a); and from the cold start at most rate * (b - start)."""
     clock = FakeClock()
     core = SchedulerCore(CONFIG, clock, id_prefix="prop")
     start, rate, capacity = clock.now(), 1_000.0, 60_000.0
@@ -269,6 +271,8 @@ def test_admitted_tokens_never_exceed_capacity_in_any_window(
         for b, used in admissions[i:]:
             total += used
             assert total <= capacity + rate * (b - a) + 1e-6
+            if b - a < 60.0:
+                assert total <= capacity + 1e-6
     running = 0
     for b, used in admissions:
         running += used

@@ -1,0 +1,87 @@
+"""A sliding-window ledger of our own admissions: over any ``window_s`` seconds, at most ``capacity``.
+
+The token bucket spreads admissions evenly, but on its own it allows ``capacity`` as a burst plus
+``capacity`` of refill within one minute after an idle spell: twice a per-minute limit that the
+provider enforces over a sliding window. This ledger closes that gap. Like the provider's, an entry
+keeps its admission time and is corrected to the actual usage at settlement.
+
+Pure: every method takes ``now`` (monotonic seconds).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["WindowLedger"]
+
+_EPS = 1e-9
+_MIN_WAIT_S = 1e-6
+
+
+@dataclass(slots=True)
+class _Entry:
+    at: float
+    amount: float
+    entry_id: int
+
+
+class WindowLedger:
+    """Admissions in ``(now - window_s, now]`` summed; a new one fits when the sum stays within capacity."""
+
+    def __init__(self, capacity: float, window_s: float = 60.0) -> None:
+        if capacity <= 0 or window_s <= 0:
+            raise ValueError(f"ledger needs capacity > 0 and window_s > 0, got {capacity=} {window_s=}")
+        self.capacity = float(capacity)
+        self.window_s = float(window_s)
+        self._entries: deque[_Entry] = deque()
+        self._by_id: dict[int, _Entry] = {}
+        self._ids = itertools.count(1)
+        self.total = 0.0
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._entries and self._entries[0].at <= horizon + _EPS:
+            old = self._entries.popleft()
+            del self._by_id[old.entry_id]
+            self.total -= old.amount
+
+    def used(self, now: float) -> float:
+        self._expire(now)
+        return self.total
+
+    def covers(self, amount: float, now: float) -> bool:
+        return self.used(now) + amount <= self.capacity + _EPS
+
+    def add(self, amount: float, now: float) -> int:
+        """Record an admission; returns its id for ``correct``."""
+        self._expire(now)
+        entry = _Entry(now, float(amount), next(self._ids))
+        self._entries.append(entry)
+        self._by_id[entry.entry_id] = entry
+        self.total += entry.amount
+        return entry.entry_id
+
+    def correct(self, entry_id: int, amount: float) -> None:
+        """Replace an admission's amount by what it really used (no-op once it left the window)."""
+        entry = self._by_id.get(entry_id)
+        if entry is not None:
+            self.total += amount - entry.amount
+            entry.amount = float(amount)
+
+    def ready_at(self, amount: float, now: float) -> float:
+        """When enough old admissions will have left the window for ``amount`` to fit (inf: never)."""
+        self._expire(now)
+        excess = self.total + amount - self.capacity
+        if excess <= _EPS:
+            return now
+        if amount > self.capacity + _EPS:
+            return math.inf
+        freed = 0.0
+        for entry in self._entries:
+            freed += entry.amount
+            if freed + _EPS >= excess:
+                return max(entry.at + self.window_s, now + _MIN_WAIT_S)
+        return math.inf  # pragma: no cover - unreachable while amount <= capacity
