@@ -42,6 +42,7 @@ __all__ = [
     "TRAJECTORY_RESOURCE",
     "FakeMultiNodeCluster",
     "RayHead",
+    "free_tcp_port",
     "load_autoscaling_config",
     "prewarm",
     "session_pids",
@@ -57,8 +58,8 @@ _REQUIRED_KEYS = ("cluster_name", "provider", "available_node_types", "head_node
 _FAKE_HEAD_TYPE = "ray.head.default"  # the fake provider hard-codes the head's node type name
 
 
-def _free_port() -> int:
-    # Bound on all interfaces: Ray listens on the node IP, not only on loopback.
+def free_tcp_port() -> int:
+    """A TCP port free on all interfaces a moment ago (Ray binds the node IP, not just loopback)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
@@ -151,9 +152,9 @@ class RayHead:
 
         self._ip = str(get_node_ip_address())  # type: ignore[no-untyped-call]
         if not self.port:
-            self.port = _free_port()
+            self.port = free_tcp_port()
         if self.include_dashboard and not self.dashboard_port:
-            self.dashboard_port = _free_port()
+            self.dashboard_port = free_tcp_port()
         if self.temp_dir is None:
             self.temp_dir = Path(tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
             self._own_temp_dir = True
@@ -168,8 +169,8 @@ class RayHead:
             f"--num-cpus={self.num_cpus}",
             f"--temp-dir={self.temp_dir}",
             f"--object-store-memory={self.object_store_memory}",
-            f"--ray-client-server-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--ray-client-server-port={free_tcp_port()}",
+            f"--dashboard-agent-listen-port={free_tcp_port()}",
             "--disable-usage-stats",
             f"--include-dashboard={'true' if self.include_dashboard else 'false'}",
         ]

@@ -8,6 +8,7 @@ worker node holds 2, at most 2 worker nodes, idle timeout 6 s.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -61,7 +62,7 @@ def _alive_worker_ids() -> set[str]:
 
     return {
         node["NodeID"]
-        for node in ray.nodes()
+        for node in ray.nodes()  # type: ignore[no-untyped-call]
         if node["Alive"] and node["Resources"].get(TRAJECTORY_RESOURCE, 0) > 0
     }
 
@@ -82,7 +83,9 @@ def fake_cluster() -> Iterator[FakeMultiNodeCluster]:
 
     cluster = FakeMultiNodeCluster().start()
     try:
-        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False, namespace="tether")
+        ray.init(
+            address=cluster.address, logging_level=logging.WARNING, log_to_driver=False, namespace="tether"
+        )
         yield cluster
     finally:
         ray.shutdown()
