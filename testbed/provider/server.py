@@ -18,6 +18,7 @@ could never be admitted, and a 429 would invite retries forever.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import math
@@ -107,7 +108,9 @@ class ProviderServer:
         """Bind and serve; with ``port=0`` the OS picks a free port (see :attr:`port`)."""
         if self._runner is not None:
             raise RuntimeError("provider already started")
-        runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that goes away stops its generation at once (as on a real
+        # provider) instead of holding a task until the next token is due.
+        runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, self._host, self._port)
         try:
@@ -299,6 +302,9 @@ class ProviderServer:
                 usage=usage,
             )
             return web.json_response(body_out, headers=decision.snapshot.headers())
+        except asyncio.CancelledError:
+            billing.aborted = True  # the client disconnected while we waited or streamed
+            raise
         finally:
             # limits: the admission charge (prompt + max_tokens) is corrected to what was really produced
             self._limiter.settle(decision.ticket, prompt_tokens + billing.emitted)
