@@ -34,6 +34,7 @@ from pydantic import (
 
 from cluster.embedded import redact_url, redis_errors
 from runtime.errors import CodecError
+from runtime.memstore import parse_entry_id
 
 __all__ = [
     "CONTROL_STREAM",
@@ -363,6 +364,29 @@ class ControlStream:
         with redis_errors(self._url, f"inspecting pending entries on {self.stream}"):
             summary = await self._client.xpending(self.stream, group)
         return int(summary["pending"])
+
+    async def trim_delivered(self) -> int:
+        """Drop entries that every consumer group has delivered and acked; returns how many went.
+
+        The floor is, per group, its oldest pending entry (or its last delivered one when nothing is
+        pending); entries at or above the lowest floor stay, so nothing unacked or undelivered is lost.
+        Control messages are not trimmed on publish for that reason (a MAXLEN could drop pending ones).
+        """
+        with redis_errors(self._url, f"trimming {self.stream}"):
+            if not await self._client.exists(self.stream):
+                return 0
+            groups = await self._client.xinfo_groups(self.stream)
+            if not groups:
+                return 0
+            floors: list[str] = []
+            for group in groups:
+                if group["pending"]:
+                    summary = await self._client.xpending(self.stream, group["name"])
+                    floors.append(_text(summary["min"]))
+                else:
+                    floors.append(_text(group["last-delivered-id"]))
+            floor = min(floors, key=parse_entry_id)
+            return int(await self._client.xtrim(self.stream, minid=floor, approximate=False))
 
     async def publish_event(self, event: LiveEvent) -> str:
         """Append a state change to the events stream, trimming it to about ``events_maxlen`` entries."""

@@ -191,6 +191,33 @@ async def test_a_signed_message_verifies_after_crossing_redis(stream: ControlStr
     assert verified.signers == ("alice",)
 
 
+async def test_trimming_drops_only_what_was_delivered_and_acked(stream: ControlStream) -> None:
+    # Given five messages: all delivered, the first three acked, the last two still pending
+    await stream.ensure_group(GROUP)
+    ids = [await stream.publish(message(i)) for i in range(5)]
+    await stream.read(GROUP, "relay-1", count=10)
+    await stream.ack(GROUP, *ids[:3])
+
+    # When the stream is trimmed, and again after a new undelivered message arrives and the rest are acked
+    first = await stream.trim_delivered()
+    undelivered = message(9)
+    await stream.publish(undelivered)
+    await stream.ack(GROUP, *ids[3:])
+    second = await stream.trim_delivered()
+
+    # Then the acked ones went, pending ones survived the first trim and a crashed relay could still
+    # claim them; the undelivered one is still delivered afterwards
+    assert first == 3
+    assert second == 1  # ids[3]; the last delivered entry (ids[4]) is kept as the floor
+    assert [d.message for d in await stream.read(GROUP, "relay-2")] == [undelivered]
+
+
+async def test_trimming_without_groups_or_stream_removes_nothing(stream: ControlStream) -> None:
+    assert await stream.trim_delivered() == 0
+    await stream.publish(message(1))
+    assert await stream.trim_delivered() == 0
+
+
 # --------------------------------------------------------------------------- tether:events
 
 
