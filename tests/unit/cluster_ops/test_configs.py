@@ -51,7 +51,7 @@ def test_kuberay_manifests_turn_the_autoscaler_on_and_declare_the_trajectory_res
 
     assert spec["enableInTreeAutoscaling"] is True
     for group in spec["workerGroupSpecs"]:
-        # KubeRay passes rayStartParams.resources through a shell: a JSON object inside one more quoting layer.
+        # KubeRay passes rayStartParams.resources through a shell: JSON inside one more quoting layer.
         declared = json.loads(json.loads(group["rayStartParams"]["resources"]))
         assert declared[TRAJECTORY_RESOURCE] >= 1
         assert group["minReplicas"] == 0
