@@ -19,7 +19,8 @@ def _exprs(dashboard: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return loaded
 
 
 @pytest.mark.parametrize("name", sorted(METRICS))
