@@ -178,8 +178,9 @@ class Breaker:
         if self._state is BreakerState.OPEN:
             remaining = self.remaining_cooldown()
             return BreakerOpen(self.scope, remaining, self._generation) if remaining > 0.0 else None
-        # HALF_OPEN: the probe is out. Estimate the cooldown the next cycle would get if it fails.
-        return BreakerOpen(self.scope, self._cooldown_s, self._generation)
+        # HALF_OPEN: the probe's answer is due. If it succeeds the scope reopens to traffic at once, so the
+        # estimate is the base cooldown; quoting the lengthened one would park callers long after a recovery.
+        return BreakerOpen(self.scope, self.policy.cooldown_s, self._generation)
 
     def record(self, ticket: BreakerTicket, outcome: OutcomeClass) -> RecordEffect:
         """Feed back the classified outcome of a dispatched call admitted with ``ticket``."""
