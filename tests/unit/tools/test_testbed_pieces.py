@@ -1,0 +1,132 @@
+"""Pure pieces of the testbed and the effect table: fault plan validation, ledger bookkeeping,
+settling effect entries, sandbox configuration checks."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from actors.sandbox import ResourceLimits, Sandbox
+from actors.tools_grpc.effects import EffectOutcome, EffectState, EffectTable
+from runtime.clock import FakeClock
+from runtime.errors import InputError
+from testbed.tools.faults import FaultInjector, FaultMode, FaultPlan
+from testbed.tools.host import parse_fault_plans
+from testbed.tools.ledger import Ledger
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"mode": "fail"}, "needs a status"),
+        ({"mode": "fail", "status": "OK"}, "non-OK"),
+        ({"mode": "fail", "status": "NOPE"}, "non-OK"),
+        ({"mode": "explode"}, "mode"),
+        ({"delay_s": -1}, "delay_s"),
+        ({"count": 0}, "count"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_fault_plans_are_rejected_with_the_field(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        parse_fault_plans(f'{{"notifier": {__import__("json").dumps(raw)}}}')
+
+
+def test_fault_plan_status_is_normalised() -> None:
+    plan = FaultPlan(mode=FaultMode.FAIL, status="unavailable")
+    assert plan.status_code is grpc.StatusCode.UNAVAILABLE
+
+
+def test_fault_count_is_consumed_per_call_and_scoped_to_the_service() -> None:
+    # Given a drop-reply fault for the next two notifier calls
+    injector = FaultInjector(
+        {"send_notification": "notifier", "run_tests": "test-runner"},
+        {"notifier": FaultPlan(mode=FaultMode.DUPLICATE, count=2)},
+    )
+    from actors.tools_grpc.codec import ToolCall
+
+    def call(tool: str) -> ToolCall:
+        return ToolCall(tool, {}, "k", "op", "a", 0.0, "t", "c", 0)
+
+    # When calls arrive for both services
+    seen = [injector.deliveries(call("send_notification")) for _ in range(3)]
+    other = injector.deliveries(call("run_tests"))
+    # Then only the first two notifier calls are affected
+    assert seen == [2, 2, 1]
+    assert other == 1
+
+
+def test_unknown_service_is_an_input_error() -> None:
+    injector = FaultInjector({"run_tests": "test-runner"})
+    with pytest.raises(InputError, match="unknown service"):
+        injector.set_plan("nope", FaultPlan())
+
+
+def test_ledger_bills_until_release_and_reports_orphans_and_duplicates() -> None:
+    # Given a ledger on a fake clock with two environments under one effect key
+    clock = FakeClock()
+    ledger = Ledger(clock)
+    first = ledger.allocate("tenant-a", "ek-1")
+    ledger.allocate("tenant-a", "ek-1")
+    clock.advance(10)
+    # When the first is released and time moves on
+    assert ledger.release(first, "ek-rel") == pytest.approx(10)
+    assert ledger.release(first, "ek-rel") == pytest.approx(10)  # releasing twice changes nothing
+    clock.advance(5)
+    snap = ledger.snapshot()
+    # Then billing, orphans and duplicate effects are what happened
+    assert snap.billed_seconds == pytest.approx(10 + 15)
+    assert [e.env_id for e in snap.orphaned_environments()] == ["env-00002"]
+    assert [(d.tool, d.effect_key, d.applications) for d in snap.duplicate_effects()] == [
+        ("provision_env", "ek-1", 2)
+    ]
+    assert ledger.release("env-99999", "x") is None
+
+
+async def _outcome(state: EffectState, result: str = "") -> EffectOutcome:
+    await asyncio.sleep(0)
+    return EffectOutcome(state, result_json=result, code=grpc.StatusCode.INTERNAL)
+
+
+async def test_an_applied_effect_is_never_overwritten_by_a_later_refusal() -> None:
+    # Given a key applied once (dedupe off, so a second attempt runs too)
+    table = EffectTable()
+    await table.start("t", "k", _outcome(EffectState.APPLIED, '{"a":1}'), cancellable=False)
+    # When a later attempt for the same key is refused
+    await table.start("t", "k", _outcome(EffectState.ABSENT), cancellable=False)
+    entry = table.get("t", "k")
+    # Then the evidence of the applied effect stands
+    assert entry is not None
+    assert (entry.state, entry.result_json, entry.applications) == (EffectState.APPLIED, '{"a":1}', 1)
+
+
+async def test_cancelling_an_effect_before_it_starts_records_absence() -> None:
+    table = EffectTable()
+    task = table.start("t", "k", _outcome(EffectState.APPLIED, "{}"), cancellable=True)
+    assert table.cancel_work("t", "k")
+    outcome = await task
+    entry = table.get("t", "k")
+    assert outcome.state is EffectState.ABSENT
+    assert entry is not None and entry.state is EffectState.ABSENT and entry.applications == 0
+
+
+def test_fences_only_go_up() -> None:
+    table = EffectTable()
+    assert table.fence("t", "k") == 0
+    assert [table.raise_fence("t", "k") for _ in range(3)] == [1, 2, 3]
+    assert table.fence("t", "other") == 0
+
+
+@pytest.mark.parametrize("field", ["cpu_seconds", "memory_bytes", "open_files"])
+def test_resource_limits_must_be_positive(field: str) -> None:
+    with pytest.raises(InputError, match=field):
+        ResourceLimits(**{field: 0})
+
+
+@pytest.mark.parametrize("trajectory_id", ["", "../escape", "a/b", ".hidden", "x" * 200])
+def test_sandbox_refuses_unsafe_trajectory_ids(tmp_path: Path, trajectory_id: str) -> None:
+    with pytest.raises(InputError, match="trajectory_id"):
+        Sandbox(trajectory_id, tmp_path)
