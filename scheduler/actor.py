@@ -29,7 +29,13 @@ from scheduler.errors import SchedulerInputError
 from scheduler.hooks import SchedulerMetrics
 from scheduler.inprocess import InProcessScheduler
 
-__all__ = ["SCHEDULER_NAME", "SCHEDULER_NAMESPACE", "SchedulerActor", "SchedulerHandle"]
+__all__ = [
+    "SCHEDULER_NAME",
+    "SCHEDULER_NAMESPACE",
+    "SchedulerActor",
+    "SchedulerHandle",
+    "scheduler_actor_class",
+]
 
 SCHEDULER_NAME = "scheduler"
 SCHEDULER_NAMESPACE = "tether"
@@ -70,16 +76,10 @@ async def _outcome_of(awaitable: Any) -> _Outcome:
 # num_cpus=0: the scheduler must never wait for a CPU slot behind the trajectories it admits.
 # Restarts are unlimited and calls in flight are retried on the new incarnation: an admission not yet
 # granted is safe to re-submit, and settling an unknown grant is a no-op.
-_ACTOR_OPTIONS: dict[str, Any] = {
-    "num_cpus": 0,
-    "max_restarts": -1,
-    "max_task_retries": -1,
-    "concurrency_groups": {_ADMIT: 10_000, _CONTROL: 100},
-}
+_ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
 
 
-@ray.remote(**_ACTOR_OPTIONS)
-class SchedulerActor:
+class _SchedulerActorBody:
     """Ray actor around one ``InProcessScheduler`` on the system clock.
 
     ``holder_name_template`` (e.g. ``"trajectory:{trajectory_id}"``), when set, lets the actor reclaim
@@ -170,6 +170,17 @@ class SchedulerActor:
                     _log.info("reclaimed %d leases of dead holders", len(reclaimed))
 
 
+def scheduler_actor_class(admit_slots: int = 10_000, control_slots: int = 100) -> Any:
+    """The actor class with the given concurrency-group sizes (Ray fixes them per class, not per
+    ``.options()``). ``admit_slots`` bounds admissions waiting inside the actor; ``control_slots``
+    are the separate slots settle/release/feedback use, which waiting admissions can never take."""
+    options = {**_ACTOR_OPTIONS, "concurrency_groups": {_ADMIT: admit_slots, _CONTROL: control_slots}}
+    return ray.remote(**options)(_SchedulerActorBody)
+
+
+SchedulerActor = scheduler_actor_class()
+
+
 class SchedulerHandle:
     """``runtime.ports.AdmissionPort`` over the scheduler actor: what trajectory actors hold."""
 
@@ -195,7 +206,7 @@ class SchedulerHandle:
         if detached:
             options["lifetime"] = "detached"
         payload = (config or SchedulerConfig()).model_dump(mode="json")
-        actor = SchedulerActor.options(**options).remote(payload, holder_name_template)  # type: ignore[attr-defined]
+        actor = SchedulerActor.options(**options).remote(payload, holder_name_template)
         return cls(actor)
 
     @property
