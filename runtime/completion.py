@@ -1,0 +1,75 @@
+"""Completion checks: the harness's external verdict on a model's claim that it is done.
+
+An ``end_turn`` reply is a request to run the task contract's check, never success by itself (harness
+chapter, "The completion path"). Checks read only what the harness recorded — accepted tool results and
+the operation table — never the model's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from runtime.events import Event, ToolResultAccepted
+from runtime.ports import Settlement
+from runtime.record import CompletionCheck, TrajectoryRecord
+
+__all__ = ["CHECKS", "CheckResult", "evaluate_completion"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    passed: bool
+    detail: str
+
+
+def _accepted(events: Iterable[Event]) -> list[ToolResultAccepted]:
+    return [ev for ev in events if isinstance(ev, ToolResultAccepted)]
+
+
+def _always(check: CompletionCheck, record: TrajectoryRecord, events: list[Event]) -> CheckResult:
+    return CheckResult(True, "the contract accepts any end of turn")
+
+
+def _never(check: CompletionCheck, record: TrajectoryRecord, events: list[Event]) -> CheckResult:
+    return CheckResult(False, "the contract's check never passes")
+
+
+def _min_tool_results(check: CompletionCheck, record: TrajectoryRecord, events: list[Event]) -> CheckResult:
+    raw = check.params.get("count", 1)
+    need = raw if isinstance(raw, int) and not isinstance(raw, bool) else 1
+    ok = [ev for ev in _accepted(events) if ev.settlement is Settlement.ESTABLISHED and ev.error is None]
+    return CheckResult(len(ok) >= need, f"{len(ok)} successful tool result(s), {need} required")
+
+
+def _tool_succeeded(check: CompletionCheck, record: TrajectoryRecord, events: list[Event]) -> CheckResult:
+    tool = check.params.get("tool")
+    by_call = {op.call_id: op.tool for op in record.operations.values()}
+    last = None
+    for ev in _accepted(events):
+        if by_call.get(ev.call_id) == tool:
+            last = ev
+    if last is None:
+        return CheckResult(False, f"no result from {tool!r} was accepted")
+    passed = last.settlement is Settlement.ESTABLISHED and last.error is None
+    return CheckResult(
+        passed, f"last {tool!r} result: {last.settlement}{'' if passed else ' / ' + str(last.error)}"
+    )
+
+
+CHECKS = {
+    "always": _always,
+    "never": _never,
+    "min_tool_results": _min_tool_results,
+    "tool_succeeded": _tool_succeeded,
+}
+"""Checks by the name a task contract gives."""
+
+
+def evaluate_completion(record: TrajectoryRecord, events: Iterable[Event]) -> CheckResult:
+    """Run the contract's completion check; an unknown check name fails closed."""
+    check = record.contract.completion_check
+    fn = CHECKS.get(check.name)
+    if fn is None:
+        return CheckResult(False, f"unknown completion check {check.name!r}: failing closed")
+    return fn(check, record, list(events))
