@@ -53,7 +53,8 @@ class EffectEntry:
     """Mutable bookkeeping for one key; only the table writes it."""
 
     state: EffectState
-    task: asyncio.Task[EffectOutcome] | None = None
+    task: asyncio.Task[EffectOutcome] | None = None  # settles the entry; awaited by callers
+    work: asyncio.Task[EffectOutcome] | None = None  # runs the tool; cancelled by Cancel
     result_json: str = ""
     detail: str = ""
     applications: int = 0  # how many effect tasks for this key committed (> 1 only when dedupe is off)
@@ -97,21 +98,31 @@ class EffectTable:
         entry.state = EffectState.IN_FLIGHT
         entry.cancellable = cancellable
         entry.detail = ""
-        task = asyncio.get_running_loop().create_task(
-            self._settle(entry, work), name=f"effect:{tool}:{effect_key}"
-        )
-        entry.task = task
+        loop = asyncio.get_running_loop()
+        # Two tasks: ``work`` runs the tool and is what Cancel cancels; the settling task is never
+        # cancelled, so it always records the outcome (even for work cancelled before it started).
+        work_task = loop.create_task(work, name=f"effect-work:{tool}:{effect_key}")
+        task = loop.create_task(self._settle(entry, work_task), name=f"effect:{tool}:{effect_key}")
+        entry.task, entry.work = task, work_task
         return task
 
+    def cancel_work(self, tool: str, effect_key: str) -> bool:
+        """Cancel the running tool of a key (the caller checked it is cancellable); False if none runs."""
+        entry = self._entries.get((tool, effect_key))
+        if entry is None or entry.work is None or entry.work.done():
+            return False
+        entry.work.cancel()
+        return True
+
     @staticmethod
-    async def _settle(entry: EffectEntry, work: Coroutine[Any, Any, EffectOutcome]) -> EffectOutcome:
+    async def _settle(entry: EffectEntry, work: asyncio.Task[EffectOutcome]) -> EffectOutcome:
         try:
             outcome = await work
         except asyncio.CancelledError:
-            # Cancelled before the effect coroutine even started: nothing ran, nothing applied.
-            work.close()
+            if not work.cancelled():
+                raise  # this settling task itself was cancelled (loop shutdown): do not hide it
             outcome = EffectOutcome(
-                EffectState.ABSENT, detail="cancelled before start", code=grpc.StatusCode.ABORTED
+                EffectState.ABSENT, detail="cancelled before commit", code=grpc.StatusCode.ABORTED
             )
         if outcome.state is EffectState.APPLIED:
             entry.applications += 1

@@ -237,11 +237,6 @@ class ToolServer:
             return EffectOutcome(EffectState.ABSENT, detail=e.message, code=e.code, retry_after=e.retry_after)
         except (InputError, pydantic.ValidationError) as e:
             return EffectOutcome(EffectState.ABSENT, detail=str(e), code=grpc.StatusCode.INVALID_ARGUMENT)
-        except asyncio.CancelledError:
-            # Only cancellable tools are cancelled (by Cancel), and they commit after their last await.
-            return EffectOutcome(
-                EffectState.ABSENT, detail="cancelled before commit", code=grpc.StatusCode.ABORTED
-            )
         except Exception as e:
             log.exception("tool %s crashed for effect key %s", call.tool, call.effect_key)
             return EffectOutcome(
@@ -349,7 +344,7 @@ class _ToolServicer(pb_grpc.ToolServiceServicer):
             fence = effects.raise_fence(request.tool, request.effect_key)
             return pb.CancelReply(state=pb.ALREADY_ABSENT, fence=fence, detail=entry.detail)
         if entry.state is EffectState.IN_FLIGHT and entry.cancellable and entry.task is not None:
-            entry.task.cancel()
+            effects.cancel_work(request.tool, request.effect_key)
             outcome = await asyncio.shield(entry.task)
             fence = effects.raise_fence(request.tool, request.effect_key)
             state = pb.ALREADY_APPLIED if outcome.state is EffectState.APPLIED else pb.CANCELLED

@@ -83,6 +83,8 @@ class _FaultServicer(tpb_grpc.FaultControlServicer):
 class Testbed:
     """A running in-process testbed: its gRPC server, ledger and fault injector."""
 
+    __test__ = False  # not a pytest class despite the name
+
     server: ToolServer
     ledger: Ledger
     faults: FaultInjector
