@@ -22,54 +22,45 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from runtime._approval_gate import ApprovalGate
+from runtime._tool_stage import ToolStage
 from runtime.budget import BudgetStage, Dimension, PriceTable, StageThresholds, assess
 from runtime.clock import Clock
 from runtime.codec import decode, encode
 from runtime.completion import evaluate_completion
 from runtime.context import build_messages, estimate_tokens
-from runtime.dispatch import NoGuard, RetryPort, SingleAttempt, Verdict
+from runtime.dispatch import NoGuard, RetryPort, SingleAttempt
 from runtime.errors import (
     AdmissionRefused,
     DependencyError,
     ModelCallCancelled,
-    PolicyRefusal,
     ProviderRateLimited,
 )
 from runtime.events import (
-    ApprovalDecided,
-    ApprovalRechecked,
     BudgetStageChanged,
     CompletionChecked,
     ControlApplied,
     ControlRejected,
     Event,
     GrantNarrowed,
-    LateResultDropped,
     LeaseReleased,
     ModelCallFailed,
     ModelCallIntent,
     ModelCallSettled,
     ObservationAppended,
     ObservationKind,
-    OperationMarkedInDoubt,
-    OperationSettled,
     StateChanged,
-    ToolCallCancelled,
-    ToolCallHeld,
-    ToolDispatchIntent,
     TrajectoryCreated,
     TurnStarted,
     WallClockMeasured,
 )
 from runtime.events import ModelCallCancelled as ModelCallCancelledEvent
-from runtime.fingerprint import call_digest, call_fingerprint, coarse_fingerprint, effect_key
-from runtime.fold import apply, expired_calls, fold, on_control, on_tool_result, start
+from runtime.fold import apply, fold, on_control, start
 from runtime.ports import (
     AdmissionPort,
     CancelToken,
@@ -78,20 +69,15 @@ from runtime.ports import (
     ModelPort,
     ModelReply,
     ModelRequest,
-    OutcomeClass,
-    Settlement,
     StopReason,
-    ToolCallProposal,
-    ToolInvocation,
-    ToolOutcome,
     ToolPort,
     TurnRequest,
     Usage,
 )
-from runtime.record import ApprovalDecision, ControlAction, ModelOutcome, PendingControl, TrajectoryRecord
+from runtime.record import ControlAction, ModelOutcome, PendingControl, TrajectoryRecord
 from runtime.states import ExitReason, TrajectoryState, terminal_state_for
-from runtime.tools import RepeatContract, ToolArgumentsInvalid, ToolRegistry, UnknownTool
-from runtime.watchdog import WatchdogConfig, WatchdogState, WatchdogStep
+from runtime.tools import ToolRegistry
+from runtime.watchdog import WatchdogConfig, WatchdogState
 
 __all__ = ["Harness", "HarnessConfig", "HarnessHooks", "HarnessPorts", "RunOutcome"]
 
@@ -179,6 +165,8 @@ class Harness:
         self._control_arrived = asyncio.Event()
         self._changed = asyncio.Event()  # set on every append: waiters re-read the record
         self._tasks: set[asyncio.Future[None]] = set()
+        self._tools = ToolStage(self)
+        self._gate = ApprovalGate(self)
         self._cancel_token: CancelToken | None = None
         self._kill = asyncio.Event()
         self._watchdog = WatchdogState(config.watchdog)
@@ -290,9 +278,9 @@ class Harness:
             elif state is S.CALLING_MODEL:
                 await self._resume_calling_model()
             elif state is S.WAITING_TOOL:
-                await self._resume_waiting_tool()
+                await self._tools.resume_after_restart()
             elif state is S.AWAITING_APPROVAL:
-                if not await self._await_approval():
+                if not await self._gate.wait_for_decision():
                     return RunOutcome(self.record, hibernated=True)
             elif state is S.PAUSED:
                 if not await self._paused():
@@ -575,7 +563,7 @@ class Harness:
         await self._append(
             ObservationAppended(ObservationKind.ASSISTANT, reply.text, tool_calls=tuple(reply.tool_calls))
         )
-        await self._route_calls(tuple(reply.tool_calls))
+        await self._tools.route(tuple(reply.tool_calls))
 
     async def _resume_calling_model(self) -> None:
         """Recovery inside CALLING_MODEL: the reply (if any) was not fully processed before the crash."""
@@ -601,7 +589,7 @@ class Harness:
             and last.tool_calls
             and self.record.held is None
         ):
-            await self._route_calls(tuple(last.tool_calls))
+            await self._tools.route(tuple(last.tool_calls))
             return
         if self.record.held is not None:
             await self._append(StateChanged(S.CALLING_MODEL, S.AWAITING_APPROVAL, "recovered: call held"))
@@ -614,413 +602,7 @@ class Harness:
 
     # ------------------------------------------------------------------ tool calls
 
-    async def _route_calls(self, proposals: tuple[ToolCallProposal, ...]) -> None:
-        """Validate locally, watch for loops, then hold for approval or dispatch."""
-        valid: list[tuple[ToolCallProposal, dict[str, Any]]] = []
-        for p in proposals:
-            problem = None
-            try:
-                args = self.registry.validate(p.tool, p.raw_arguments)
-            except ToolArgumentsInvalid as e:
-                problem = e.observation()
-            except UnknownTool as e:
-                problem = {"status": "REJECTED", "reason": "UNKNOWN_TOOL", "message": str(e)}
-            else:
-                if not self.record.grants.allows(p.tool):
-                    problem = {
-                        "status": "REJECTED",
-                        "reason": "NOT_GRANTED",
-                        "message": f"{p.tool} is not granted",
-                    }
-            if problem is not None:
-                # local rejection: never reaches the dependency, never counts in its breaker window
-                await self._append(
-                    ObservationAppended(
-                        ObservationKind.REFUSAL, json.dumps(problem, default=str), call_id=p.call_id
-                    )
-                )
-                continue
-            fired = self._watch(p.tool, args)
-            if fired is not None:
-                await self._append(StateChanged(S.CALLING_MODEL, S.READY, f"watchdog: {fired}"))
-                await self._enter_finalizing(ExitReason.ERROR, f"watchdog {fired} stopped a loop")
-                return
-            valid.append((p, args))
-
-        gated = [(p, a) for p, a in valid if self._needs_approval(p.tool)]
-        if gated:
-            held, held_args = gated[0]
-            for p, _ in valid:
-                if p is not held:
-                    reason = "another call in this reply awaits approval; propose it again afterwards"
-                    await self._append(
-                        ObservationAppended(
-                            ObservationKind.REFUSAL,
-                            json.dumps({"status": "REFUSED", "reason": "DEFERRED", "message": reason}),
-                            call_id=p.call_id,
-                        )
-                    )
-            now = self.ports.clock.wall()
-            await self._append(
-                ToolCallHeld(
-                    held.call_id,
-                    held.tool,
-                    held_args,
-                    call_digest(held.tool, held_args),
-                    now + self.config.approval_timeout_s,
-                )
-            )
-            await self._append(
-                StateChanged(S.CALLING_MODEL, S.AWAITING_APPROVAL, f"{held.tool} needs approval")
-            )
-            return
-        if not valid:
-            await self._append(StateChanged(S.CALLING_MODEL, S.READY, "no dispatchable calls"))
-            return
-        await self._append(StateChanged(S.CALLING_MODEL, S.WAITING_TOOL, f"dispatching {len(valid)} call(s)"))
-        await self._dispatch_all(valid)
-
-    def _needs_approval(self, tool: str) -> bool:
-        return tool in self.record.grants.approval_required or self.registry.get(tool).requires_approval
-
-    def _watch(self, tool: str, args: Mapping[str, Any]) -> str | None:
-        contract = self.registry.get(tool)
-        coarse = coarse_fingerprint(tool, args, contract.target_keys) if contract.target_keys else None
-        step = WatchdogStep(call_fingerprint(tool, args), coarse, None)
-        self._watchdog, verdict = self._watchdog.observe(step)
-        return verdict.guard.value if verdict.fired and verdict.guard is not None else None
-
-    async def _dispatch_all(
-        self,
-        calls: Sequence[tuple[ToolCallProposal, Mapping[str, Any]]],
-        approval_digest: str | None = None,
-    ) -> None:
-        """Dispatch calls concurrently; wait until every one settled or timed out, then back to READY."""
-        tasks = {
-            p.call_id: self._spawn(self._run_operation(p.call_id, p.tool, dict(a), approval_digest))
-            for p, a in calls
-        }
-        await self._wait_tools(tasks)
-
-    async def _wait_tools(self, tasks: Mapping[str, asyncio.Future[None]]) -> None:
-        """Wait for dispatched calls by call id. A call whose deadline passes is timed out (its id leaves
-        the pending set first) and no longer holds the turn: its task may finish later, and its late
-        result is then dropped and audited. A call between retry attempts still holds the turn."""
-        timed_out: set[str] = set()
-        while True:
-            if self._kill.is_set():
-                await self._abandon([t for t in tasks.values() if not t.done()], "killed")
-                return
-            for ev in expired_calls(self.record, self.ports.clock.wall()):
-                timed_out.add(ev.call_id)
-                await self._append(ev)
-            holding = [t for cid, t in tasks.items() if not t.done() and cid not in timed_out]
-            if not holding:
-                if self.record.pending_calls:
-                    await self._abandon([], "no live dispatch")  # e.g. results lost with a restart
-                break
-            deadlines = [p.deadline for p in self.record.pending_calls.values()]
-            wait = max(0.0, min(deadlines) - self.ports.clock.wall()) if deadlines else None
-            self._changed.clear()
-            kill_wait = asyncio.ensure_future(self._kill.wait())
-            changed = asyncio.ensure_future(self._changed.wait())
-            sleeper = asyncio.ensure_future(self.ports.clock.sleep(wait)) if wait is not None else None
-            waiters: set[asyncio.Future[Any]] = {*holding, kill_wait, changed}
-            if sleeper is not None:
-                waiters.add(sleeper)
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            for w in (kill_wait, changed, sleeper):
-                if w is not None:
-                    w.cancel()
-        for t in tasks.values():
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
-        if self.record.state is S.WAITING_TOOL:
-            await self._append(StateChanged(S.WAITING_TOOL, S.READY, "tool calls settled"))
-
-    async def _abandon(self, live: list[asyncio.Future[None]], reason: str) -> None:
-        """Kill / lost results: stop waiting; every still-pending call becomes in doubt (not failed)."""
-        for t in live:
-            t.cancel()
-        for t in live:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        for call_id in list(self.record.pending_calls):
-            pending = self.record.pending_calls[call_id]
-            await self._append(ToolCallCancelled(call_id, reason))
-            with contextlib.suppress(Exception):
-                op = self.record.operations[pending.operation_id]
-                await self.ports.tools.cancel(pending.tool, op.effect_key)
-        if self.record.state is S.WAITING_TOOL:
-            if self._kill.is_set():
-                await self._append(StateChanged(S.WAITING_TOOL, S.READY, "killed: calls in doubt"))
-            else:
-                await self._append(StateChanged(S.WAITING_TOOL, S.READY, f"{reason}: calls in doubt"))
-
-    async def _run_operation(
-        self,
-        call_id: str,
-        tool: str,
-        args: dict[str, Any],
-        approval_digest: str | None,
-        operation_id: str | None = None,
-    ) -> None:
-        """One logical operation: every attempt's intent is logged before it is sent."""
-        contract = self.registry.get(tool)
-        step = self.record.turn_count * 1000 + len(self.record.operations)
-        key = effect_key(self.trajectory_id, step, tool, args)
-        operation_id = operation_id or f"op-{key[:16]}"
-        existing = self.record.operations.get(operation_id)
-        if existing is not None:
-            key = existing.effect_key
-        now = self.ports.clock.wall()
-        deadline = now + self.config.tool_timeout_s
-        if self.record.deadline is not None:
-            deadline = min(deadline, self.record.deadline)
-        retry = self.ports.retry
-        retry.begin(operation_id, contract.repeat, deadline)
-        compensation = contract.compensation.tool if contract.compensation else None
-        repeat_safe = contract.repeat in (RepeatContract.IDEMPOTENT, RepeatContract.DEDUPLICATED)
-        try:
-            while True:
-                try:
-                    permit = await self.ports.guard.admit(contract.dependency_scope, call_id, deadline)
-                except PolicyRefusal as e:
-                    # breaker open or bulkhead full: the trajectory is told why; nothing was dispatched
-                    if self.record.state is S.WAITING_TOOL and call_id not in self.record.pending_calls:
-                        await self._append(
-                            ObservationAppended(
-                                ObservationKind.REFUSAL,
-                                json.dumps(
-                                    {"status": "REJECTED", "reason": type(e).__name__, "message": str(e)}
-                                ),
-                                call_id=call_id,
-                            )
-                        )
-                    return
-                attempt_id = retry.next_attempt(operation_id)
-                sandbox_permit = None
-                try:
-                    await self._append(
-                        ToolDispatchIntent(
-                            call_id=call_id,
-                            tool=tool,
-                            arguments=args,
-                            effect_key=key,
-                            operation_id=operation_id,
-                            attempt_id=attempt_id,
-                            deadline=deadline,
-                            liability=contract.charge,
-                            compensation=compensation,
-                            repeat_safe=repeat_safe,
-                            approval_digest=approval_digest,
-                        )
-                    )
-                    approval_digest = None  # the approval is consumed by the first dispatch
-                    if contract.sandbox_pool:
-                        sandbox_permit = await self.ports.admission.acquire_sandbox(
-                            self.trajectory_id, contract.sandbox_pool, self.record.priority_class, deadline
-                        )
-                    outcome = await self.ports.tools.invoke(
-                        ToolInvocation(
-                            self.trajectory_id, call_id, tool, args, key, operation_id, attempt_id, deadline
-                        )
-                    )
-                except DependencyError as e:
-                    outcome = ToolOutcome(
-                        Settlement.UNKNOWN,
-                        OutcomeClass.INFRASTRUCTURE_FAILURE,
-                        error=str(e),
-                        retry_after=e.retry_after,
-                    )
-                finally:
-                    if sandbox_permit is not None:
-                        await self.ports.admission.release_sandbox(sandbox_permit.permit_id)
-                    await self.ports.guard.release(permit)
-                await self.ports.guard.record(permit, outcome.outcome_class)
-                result_event = on_tool_result(self.record, call_id, outcome, charge=contract.charge)
-                await self._append(result_event)
-                if isinstance(result_event, LateResultDropped):
-                    return  # timed out or abandoned meanwhile: audited, never appended as a result
-                verdict = retry.decide(operation_id, outcome)
-                if verdict.verdict is Verdict.PROBE and contract.probe:
-                    settlement = await self.ports.tools.probe(tool, key, deadline)
-                    verdict = retry.after_probe(operation_id, settlement)
-                    if settlement is not Settlement.UNKNOWN:
-                        await self._append(OperationSettled(operation_id, settlement, "probe"))
-                if verdict.verdict is not Verdict.RETRY:
-                    return
-                await self.ports.clock.sleep(verdict.delay_s)
-                if self._kill.is_set() or self.record.state is not S.WAITING_TOOL:
-                    return
-        finally:
-            retry.forget(operation_id)
-
-    async def _resume_waiting_tool(self) -> None:
-        """Recovery inside WAITING_TOOL: dispatched calls whose results were not logged are in doubt.
-
-        Each one is re-dispatched under the same effect key only when its repeat contract makes that safe;
-        otherwise it is probed when the tool supports it, or left unknown with the trajectory as owner.
-        """
-        pending = list(self.record.pending_calls.values())
-        for p in pending:
-            await self._append(ToolCallCancelled(p.call_id, "actor restarted: outcome unknown"))
-        redo: dict[str, asyncio.Future[None]] = {}
-        for p in pending:
-            op = self.record.operations[p.operation_id]
-            contract = self.registry.get(p.tool)
-            if op.settled:
-                continue
-            if op.repeat_safe:
-                args = self._dispatched_args(p.call_id)
-                redo[p.call_id] = self._spawn(
-                    self._run_operation(p.call_id, p.tool, args, None, op.operation_id)
-                )
-            elif contract.probe:
-                settlement = await self.ports.tools.probe(
-                    p.tool, op.effect_key, self.ports.clock.wall() + self.config.tool_timeout_s
-                )
-                if settlement is not Settlement.UNKNOWN:
-                    await self._append(OperationSettled(op.operation_id, settlement, "probe after restart"))
-            else:
-                await self._append(
-                    OperationMarkedInDoubt(op.operation_id, "never repeat: left unknown", self.trajectory_id)
-                )
-        await self._wait_tools(redo)
-
-    def _dispatched_args(self, call_id: str) -> dict[str, Any]:
-        for ev in reversed(self._events):
-            if isinstance(ev, ToolDispatchIntent) and ev.call_id == call_id:
-                return dict(ev.arguments)
-        raise KeyError(call_id)
-
     # ------------------------------------------------------------------ approval gate
-
-    async def _await_approval(self) -> bool:
-        """AWAITING_APPROVAL: approve / deny / expiry decide; kill and cancel finalize. False to hibernate."""
-        while True:
-            held = self.record.held
-            if held is None:  # defensive: nothing held means nothing to wait for
-                await self._append(StateChanged(S.AWAITING_APPROVAL, S.READY, "nothing held"))
-                return True
-            for req in list(self.record.pending_control):
-                if req.action in (ControlAction.KILL, ControlAction.CANCEL):
-                    reason = ExitReason.KILLED if req.action is ControlAction.KILL else ExitReason.CANCELED
-                    await self._append(ControlApplied(req.message_id))
-                    await self._enter_finalizing(reason, f"{req.action.value} by {req.issuer}: {req.reason}")
-                    return True
-                if req.action in (ControlAction.APPROVE, ControlAction.DENY):
-                    await self._decide(req)
-                    return True
-            now = self.ports.clock.wall()
-            if now >= held.expires_at:
-                await self._refuse_held(
-                    ApprovalDecision.EXPIRED,
-                    (),
-                    "APPROVAL_EXPIRED",
-                    "No approval was recorded before the request expired.",
-                )
-                return True
-            timeout = held.expires_at - now
-            if self.config.idle_hibernate_s is not None:
-                timeout = min(timeout, self.config.idle_hibernate_s)
-            arrived = await self._wait_for_control(timeout)
-            if (
-                not arrived
-                and self.config.idle_hibernate_s is not None
-                and self.ports.clock.wall() < held.expires_at
-            ):
-                return False
-
-    async def _decide(self, req: PendingControl) -> None:
-        held = self.record.held
-        assert held is not None
-        payload = req.payload if isinstance(req.payload, Mapping) else {}
-        digest = payload.get("digest")
-        issuers = payload.get("issuers")
-        names = (
-            tuple(str(i) for i in issuers) if isinstance(issuers, list | tuple) and issuers else (req.issuer,)
-        )
-        await self._append(ControlApplied(req.message_id))
-        now = self.ports.clock.wall()
-        if req.action is ControlAction.DENY:
-            await self._refuse_held(
-                ApprovalDecision.DENIED,
-                names,
-                "APPROVAL_DENIED",
-                f"Denied by {', '.join(names)}: {req.reason}",
-            )
-            return
-        if digest is not None and digest != held.digest:
-            await self._refuse_held(
-                ApprovalDecision.DENIED, names, "STALE_DIGEST", "The approval was for a different call."
-            )
-            return
-        if now > held.expires_at:
-            await self._refuse_held(
-                ApprovalDecision.EXPIRED,
-                (),
-                "APPROVAL_EXPIRED",
-                "The approval arrived after the request expired.",
-            )
-            return
-        if len(set(names)) < self.config.approval_quorum:
-            await self._refuse_held(
-                ApprovalDecision.DENIED,
-                names,
-                "QUORUM_NOT_MET",
-                f"{self.config.approval_quorum} distinct approvers are required.",
-            )
-            return
-        await self._append(
-            ApprovalDecided(
-                held.digest, ApprovalDecision.APPROVED, tuple(dict.fromkeys(names)), req.reason, now
-            )
-        )
-        # re-check before dispatch: digest still matches the held call, the grant and budget still allow it
-        failed = None
-        if call_digest(held.tool, held.arguments) != held.digest:
-            failed = "digest"
-        elif not self.record.grants.allows(held.tool):
-            failed = "grant"
-        elif self.record.budget_stage is BudgetStage.HALT:
-            failed = "budget"
-        await self._append(ApprovalRechecked(held.digest, failed is None, failed, self.ports.clock.wall()))
-        if failed is not None:
-            await self._append(
-                ObservationAppended(
-                    ObservationKind.REFUSAL,
-                    json.dumps(
-                        {"status": "REFUSED", "reason": f"RECHECK_FAILED_{failed.upper()}", "call": held.tool}
-                    ),
-                    call_id=held.call_id,
-                )
-            )
-            await self._append(StateChanged(S.AWAITING_APPROVAL, S.READY, f"re-check failed: {failed}"))
-            return
-        await self._append(
-            StateChanged(S.AWAITING_APPROVAL, S.WAITING_TOOL, "approved", approval_digest=held.digest)
-        )
-        await self._dispatch_one_approved(held.call_id, held.tool, dict(held.arguments), held.digest)
-
-    async def _dispatch_one_approved(
-        self, call_id: str, tool: str, args: dict[str, Any], digest: str
-    ) -> None:
-        task = self._spawn(self._run_operation(call_id, tool, args, digest))
-        await self._wait_tools({call_id: task})
-
-    async def _refuse_held(
-        self, decision: ApprovalDecision, issuers: tuple[str, ...], reason: str, message: str
-    ) -> None:
-        held = self.record.held
-        assert held is not None
-        await self._append(ApprovalDecided(held.digest, decision, issuers, reason, self.ports.clock.wall()))
-        call = f"{held.tool}({json.dumps(dict(held.arguments), sort_keys=True, default=str)})"
-        body = {"status": "REFUSED", "reason": reason, "call": call, "message": message}
-        await self._append(
-            ObservationAppended(ObservationKind.REFUSAL, json.dumps(body), call_id=held.call_id)
-        )
-        await self._append(StateChanged(S.AWAITING_APPROVAL, S.READY, reason.lower()))
 
     # ------------------------------------------------------------------ finalizing
 
@@ -1033,7 +615,7 @@ class Harness:
         ):
             raise RuntimeError("cannot finalize with a model call in flight")  # callers settle first
         if state is S.WAITING_TOOL and self.record.pending_calls:
-            await self._abandon([], "finalizing")
+            await self._tools.abandon([], "finalizing")
             state = self.record.state
         if reason is ExitReason.BUDGET_EXCEEDED and self.record.budget_stage is not BudgetStage.HALT:
             await self._halt_unfundable()
