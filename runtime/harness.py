@@ -328,6 +328,11 @@ class Harness:
             await self._append(ObservationAppended(ObservationKind.ERROR, f"turn not admitted: {e}"))
             if e.predicate == "deadline":
                 await self._enter_finalizing(ExitReason.DEADLINE_EXCEEDED, f"admission refused: {e}")
+            elif e.predicate == "exceeds_capacity":
+                # waiting can never help: this turn is larger than the provider limit itself
+                await self._enter_finalizing(ExitReason.ERROR, f"admission refused: {e}")
+            else:
+                await self._backoff(e.retry_after)
             return
         if grant is None:
             return  # a control request arrived while queued: the boundary applies it
@@ -529,11 +534,13 @@ class Harness:
             await self._enter_finalizing(ExitReason.MODEL_ERROR, f"model calls failed: {error}")
             return
         await self._append(StateChanged(S.CALLING_MODEL, S.READY, "model call failed: retrying"))
-        ceiling = min(
-            self.config.model_backoff_cap_s,
-            self.config.model_backoff_base_s * 2 ** (self._model_failures - 1),
-        )
-        delay = max(self._rng.uniform(0, ceiling), error.retry_after or 0.0)
+        await self._backoff(error.retry_after)
+
+    async def _backoff(self, retry_after: float | None) -> None:
+        """Capped exponential backoff with full jitter; Retry-After is a floor; control cuts it short."""
+        exponent = max(0, self._model_failures - 1)
+        ceiling = min(self.config.model_backoff_cap_s, self.config.model_backoff_base_s * 2**exponent)
+        delay = max(self._rng.uniform(0, ceiling), retry_after or 0.0)
         await self._unless_control(asyncio.ensure_future(self.ports.clock.sleep(delay)), _ABORTING)
 
     async def _after_reply(self, reply: ModelReply) -> None:

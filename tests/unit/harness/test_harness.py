@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from runtime.clock import FakeClock
 from runtime.codec import decode
+from runtime.dispatch import UnlimitedAdmission
+from runtime.errors import AdmissionRefused
 from runtime.events import LateResultDropped, ObservationAppended, ObservationKind, ToolDispatchIntent
 from runtime.fingerprint import call_digest
 from runtime.fold import fold
@@ -308,3 +312,34 @@ async def test_restart_mid_tool_call_does_not_repeat_a_never_repeat_effect() -> 
     op = next(iter(rec.operations.values()))
     assert op.attempts == 1 and op.in_doubt
     assert tools.ledger.duplicates() == 0 and rec.is_terminal
+
+
+class _RefusingAdmission(UnlimitedAdmission):
+    """Refuses the first ``times`` turns with ``predicate``, then admits."""
+
+    def __init__(self, clock: FakeClock, predicate: str, times: int) -> None:
+        super().__init__(clock)
+        self.predicate, self.times = predicate, times
+
+    async def admit_turn(self, request):  # type: ignore[no-untyped-def]
+        if self.times > 0:
+            self.times -= 1
+            raise AdmissionRefused(self.predicate, "test refusal")
+        return await super().admit_turn(request)
+
+
+@pytest.mark.parametrize(
+    ("predicate", "times", "state", "exit_reason"),
+    [
+        ("shutdown", 2, S.COMPLETED, ExitReason.COMPLETED),  # transient: backs off and tries again
+        ("exceeds_capacity", 1, S.FAILED, ExitReason.ERROR),  # waiting can never help
+        ("deadline", 1, S.FAILED, ExitReason.DEADLINE_EXCEEDED),
+    ],
+)
+async def test_admission_refusals_back_off_or_finalize(predicate, times, state, exit_reason) -> None:  # type: ignore[no-untyped-def]
+    clock, tools = FakeClock(), FakeTools()
+    h = harness(ScriptedModel(finish_after(1)), tools, clock)
+    h.ports.admission = _RefusingAdmission(clock, predicate, times)
+    await h.create(created(clock))
+    rec = await _run(h, clock)
+    assert (rec.state, rec.exit_reason) == (state, exit_reason)
