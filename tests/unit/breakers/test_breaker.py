@@ -186,6 +186,21 @@ def test_only_one_probe_is_claimed_after_the_cooldown() -> None:
     assert (refused, breaker.state, breaker.probes_claimed) == (49, BreakerState.HALF_OPEN, 1)
 
 
+def test_half_open_refusal_quotes_the_base_cooldown_not_the_lengthened_one() -> None:
+    # Given a breaker whose cooldown has been lengthened to 20 s and whose next probe is out
+    clock, breaker = _tripped()
+    for _ in range(2):
+        clock.advance(breaker.remaining_cooldown())
+        breaker.record(breaker.admit(), F)
+    clock.advance(breaker.remaining_cooldown())
+    breaker.admit()
+    # When another caller asks while the probe is in flight
+    with pytest.raises(BreakerOpen) as refused:
+        breaker.admit()
+    # Then it is told to come back after the base cooldown: a successful probe reopens traffic at once
+    assert (breaker.cooldown_s, refused.value.cooldown_s) == (20.0, 5.0)
+
+
 def test_late_old_generation_success_does_not_close_a_reopened_breaker() -> None:
     # Given a probe that timed out (recorded as a failure: the breaker reopened with a new generation)
     clock, breaker = _tripped()
