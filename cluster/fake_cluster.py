@@ -195,6 +195,11 @@ class RayHead:
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+            # Explicit, not inherited: Ray turns token auth on for a head whenever ~/.ray/auth_token exists
+            # (any earlier local ray.init() creates it), while drivers connecting by address stay in
+            # "disabled" mode and are refused. These heads are private and disposable; pass
+            # env={"RAY_AUTH_MODE": "token", ...} to run one with token auth.
+            "RAY_AUTH_MODE": "disabled",
             **self.env,
         }
         # A new session: the session id is the pid of `ray start`, inherited by everything it spawns.
