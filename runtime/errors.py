@@ -82,8 +82,9 @@ class CodecError(InputError):
 
 
 class InvalidLog(InputError):
-    """A trajectory log decodes but cannot be folded: it does not start with ``trajectory_created`` or holds
-    an event its record refuses. ``where`` names the entry (``event[17]``); the refusal is the ``__cause__``."""
+    """A trajectory log decodes but cannot be folded: it does not start with ``trajectory_created`` or
+    holds an event its record refuses. ``where`` names the entry (``event[17]``); the refusal is the
+    ``__cause__``."""
 
 
 # --------------------------------------------------------------------------- policy

@@ -1,0 +1,242 @@
+"""Builders for trajectory logs in unit tests: a created event, and a ``Log`` that applies events the way the
+live harness does (``apply`` first, then keep the event), so every test drives the real rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from runtime import (
+    ApprovalDecided,
+    ApprovalDecision,
+    ApprovalRechecked,
+    BudgetStage,
+    BudgetStageChanged,
+    CallLimits,
+    CompletionCheck,
+    CompletionChecked,
+    Event,
+    ExitReason,
+    Grants,
+    ModelCallIntent,
+    ModelCallSettled,
+    StateChanged,
+    TaskContract,
+    ToolCallHeld,
+    ToolDispatchIntent,
+    TrajectoryCreated,
+    TrajectoryRecord,
+    TrajectoryState,
+    TurnStarted,
+    apply,
+    start,
+)
+from runtime.ports import StopReason, Usage
+
+S = TrajectoryState
+T0 = 1_700_000_000.0
+DROP_ARGS: dict[str, Any] = {"db": "prod", "table": "orders_staging"}
+DIGEST = "sha256:drop-orders-staging"
+GRANTS = Grants(
+    tools=frozenset({"read_file", "write_file", "drop_table"}),
+    read_only_tools=frozenset({"read_file"}),
+    approval_required=frozenset({"drop_table"}),
+)
+
+
+def created(**overrides: Any) -> TrajectoryCreated:
+    fields: dict[str, Any] = {
+        "trajectory_id": "traj-1",
+        "parent_id": None,
+        "tenant": "acme",
+        "contract": TaskContract(
+            goal="Fix the failing test in  tests/test_io.py\n(keep the API).",
+            completion_check=CompletionCheck("pytest", {"paths": ["tests/test_io.py"]}),
+        ),
+        "limits": CallLimits(model="m-1", max_output_tokens=1024, call_deadline_s=60.0),
+        "ceilings": {"turns": 40.0, "tokens": 2_000_000.0, "wall_seconds": 900.0, "dollars": 3.5},
+        "grants": GRANTS,
+        "priority_class": "standard",
+        "created_at": T0,
+        "deadline": T0 + 900.0,
+        "context_ref": "ctx://traj-1",
+    }
+    fields.update(overrides)
+    return TrajectoryCreated(**fields)
+
+
+@dataclass
+class Log:
+    """A trajectory's log and its live record, grown one applied event at a time."""
+
+    events: list[Event] = field(default_factory=lambda: [created()])
+    record: TrajectoryRecord = field(init=False)
+
+    def __post_init__(self) -> None:
+        first = self.events[0]
+        assert isinstance(first, TrajectoryCreated)
+        self.record = start(first)
+        for event in self.events[1:]:
+            self.record = apply(self.record, event)
+
+    def add(self, *events: Event) -> TrajectoryRecord:
+        for event in events:
+            self.record = apply(self.record, event)
+            self.events.append(event)
+        return self.record
+
+    def to(self, to_state: TrajectoryState, reason: str = "test", **extra: Any) -> TrajectoryRecord:
+        return self.add(StateChanged(self.record.state, to_state, reason, **extra))
+
+    # -- common paths ------------------------------------------------------------------------------
+
+    def call_model(self, stop: StopReason = StopReason.TOOL_USE) -> TrajectoryRecord:
+        """READY -> CALLING_MODEL, one call that ends with ``stop``."""
+        self.add(TurnStarted(self.record.turn_count + 1))
+        self.to(S.CALLING_MODEL, "turn")
+        return self.add(
+            ModelCallIntent("grant-1", "m-1", 512, T0 + 60.0),
+            ModelCallSettled(stop, Usage(1000, 0, 200), 0.006),
+        )
+
+    def dispatch(self, call_id: str = "c1", tool: str = "read_file", **extra: Any) -> TrajectoryRecord:
+        """From CALLING_MODEL (tool_use): WAITING_TOOL with ``call_id`` pending."""
+        if self.record.state is S.CALLING_MODEL:
+            self.to(S.WAITING_TOOL, "dispatch")
+        return self.add(intent(call_id, tool, **extra))
+
+    def hold(self, expires_at: float = T0 + 600.0) -> TrajectoryRecord:
+        """From CALLING_MODEL (tool_use): drop_table held, AWAITING_APPROVAL."""
+        self.add(ToolCallHeld("c-drop", "drop_table", dict(DROP_ARGS), DIGEST, expires_at))
+        return self.to(S.AWAITING_APPROVAL, "irreversible call")
+
+    def approve(self, at: float = T0 + 100.0, recheck: bool = True) -> TrajectoryRecord:
+        self.add(ApprovalDecided(DIGEST, ApprovalDecision.APPROVED, ("alice",), "ok", at))
+        failed = None if recheck else "preconditions_changed"
+        return self.add(ApprovalRechecked(DIGEST, recheck, failed, at + 1.0))
+
+    def finalize(self, reason: ExitReason) -> TrajectoryRecord:
+        if reason is ExitReason.BUDGET_EXCEEDED:
+            self.add(BudgetStageChanged(BudgetStage.HALT, 1.0, "turns"))
+        return self.to(S.FINALIZING, "exit", exit_reason=reason)
+
+
+def intent(call_id: str = "c1", tool: str = "read_file", **extra: Any) -> ToolDispatchIntent:
+    fields: dict[str, Any] = {
+        "call_id": call_id,
+        "tool": tool,
+        "arguments": {"path": "a.txt"},
+        "effect_key": f"ek-{call_id}",
+        "operation_id": f"op-{call_id}",
+        "attempt_id": f"at-{call_id}-1",
+        "deadline": T0 + 120.0,
+    }
+    fields.update(extra)
+    return ToolDispatchIntent(**fields)
+
+
+def held_dispatch() -> ToolDispatchIntent:
+    """The dispatch intent of the exact call that was held and approved."""
+    return intent("c-drop", "drop_table", arguments=dict(DROP_ARGS), approval_digest=DIGEST)
+
+
+def in_state(state: TrajectoryState) -> Log:
+    """A log whose record is in ``state`` by an ordinary path."""
+    log = Log()
+    if state is S.READY:
+        return log
+    if state is S.PAUSED:
+        log.to(S.PAUSED, "operator pause")
+        return log
+    if state in (S.FINALIZING, S.COMPLETED, S.FAILED, S.CANCELED):
+        log.finalize({S.CANCELED: ExitReason.CANCELED}.get(state, ExitReason.ERROR))
+        if state is S.COMPLETED:
+            log = Log()
+            log.finalize(ExitReason.COMPLETED)
+            log.add(CompletionChecked("pytest", True))
+        if state is not S.FINALIZING:
+            log.to(state, "settled")
+        return log
+    log.call_model()
+    if state is S.WAITING_TOOL:
+        log.dispatch()
+    elif state is S.AWAITING_APPROVAL:
+        log.hold()
+    return log
+
+
+def with_record(log: Log, **changes: Any) -> TrajectoryRecord:
+    return replace(log.record, **changes)
+
+
+def examples() -> list[Event]:
+    """One valid instance of every event kind (for codec tables and absorption checks)."""
+    from runtime import (
+        BudgetCharged,
+        ControlAction,
+        ControlApplied,
+        ControlRejected,
+        ControlRequested,
+        GrantNarrowed,
+        LateResultDropped,
+        LeaseAcquired,
+        LeaseKind,
+        LeaseReleased,
+        ModelCallCancelled,
+        ModelCallFailed,
+        ObservationAppended,
+        ObservationKind,
+        OperationMarkedInDoubt,
+        OperationSettled,
+        PointerMoved,
+        PointerName,
+        ToolCallCancelled,
+        ToolCallTimedOut,
+        ToolJobStarted,
+        ToolResultAccepted,
+        WallClockMeasured,
+    )
+    from runtime.ports import OutcomeClass, Settlement, ToolCallProposal
+
+    return [
+        created(parent_id="traj-0", workspace_ref="ws://1"),
+        StateChanged(S.READY, S.FINALIZING, "cancel 3-0", exit_reason=ExitReason.CANCELED),
+        StateChanged(S.AWAITING_APPROVAL, S.WAITING_TOOL, "approved", approval_digest=DIGEST),
+        CompletionChecked("pytest", False, "2 failed"),
+        TurnStarted(3),
+        ModelCallIntent("grant-9", "m-1", 512, T0 + 30.5),
+        ModelCallSettled(StopReason.TOOL_USE, Usage(1200, 800, 150), 0.0123),
+        ModelCallCancelled("kill", Usage(10, 0, 3), 0.0001),
+        ModelCallFailed("HTTP 503", True),
+        ObservationAppended(
+            ObservationKind.ASSISTANT,
+            "let me look",
+            tool_calls=(ToolCallProposal("c1", "read_file", '{"p": 1}'),),
+        ),
+        ObservationAppended(ObservationKind.REFUSAL, '{"status": "REFUSED"}', call_id="c-drop"),
+        ToolCallHeld(
+            "c-drop", "drop_table", dict(DROP_ARGS), DIGEST, T0 + 600, {"rows": 0, "ok": [True, None]}
+        ),
+        ApprovalDecided(DIGEST, ApprovalDecision.APPROVED, ("alice", "bob"), "quorum", T0 + 60),
+        ApprovalRechecked(DIGEST, False, "preconditions_changed", T0 + 61),
+        intent("c2", "write_file", compensation="delete c2", repeat_safe=True, liability=0.5),
+        ToolJobStarted("c2", "job-77"),
+        ToolResultAccepted(
+            "c2", Settlement.ESTABLISHED, OutcomeClass.SUCCESS, {"n": [1, 2.5, "x"]}, None, 0.01
+        ),
+        ToolCallTimedOut("c3"),
+        ToolCallCancelled("c4", "finalizing"),
+        OperationMarkedInDoubt("op-c4", "kill", "operator:oncall"),
+        OperationSettled("op-c4", Settlement.ESTABLISHED_ABSENT, "probe"),
+        ControlRequested("5-0", ControlAction.INTERRUPT, "user:u1", "new info", {"message": "use v2"}),
+        ControlApplied("5-0"),
+        ControlRejected("6-0", "bad_signature", "ed25519 verify failed"),
+        LateResultDropped("c3", "call_not_pending"),
+        BudgetCharged({"dollars": 0.02, "sandbox_seconds": 12.5}, "tool c2"),
+        WallClockMeasured(460.0),
+        BudgetStageChanged(BudgetStage.STEER, 0.75, "turns"),
+        GrantNarrowed(frozenset({"read_file"}), True, False, "restrict stage"),
+        LeaseAcquired("lease-1", LeaseKind.WORKSPACE, "ws://1", T0 + 900),
+        LeaseReleased("lease-1"),
+        PointerMoved(PointerName.WORKSPACE_SNAPSHOT, "snap://3"),
+    ]
