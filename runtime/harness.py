@@ -248,6 +248,15 @@ class Harness:
         self._control_arrived.set()
         return "recorded"
 
+    async def reject_control(self, message_id: str, reason: str, detail: str = "") -> bool:
+        """Audit a control message the shell refused before it reached the record (bad signature, wrong
+        role, expired, replayed...). Only a message id not seen before is audited; returns whether it was."""
+        async with self._lock:
+            if message_id in self.record.seen_control_ids:
+                return False
+            await self._append_locked(ControlRejected(message_id, reason, detail))
+        return True
+
     def _pending(self, *actions: ControlAction) -> PendingControl | None:
         return next((p for p in self.record.pending_control if p.action in actions), None)
 
