@@ -96,8 +96,9 @@ class ProviderLimiter:
     def __init__(self, limits: ProviderLimits, feedback: FeedbackConfig, now: float) -> None:
         self.limits = limits
         self.feedback = feedback
-        self.tokens = TokenBucket(limits.token_capacity, limits.token_capacity / 60.0, now)
-        self.requests = TokenBucket(limits.request_capacity, limits.request_capacity / 60.0, now)
+        window = limits.window_s
+        self.tokens = TokenBucket(limits.token_capacity, limits.token_capacity / window, now)
+        self.requests = TokenBucket(limits.request_capacity, limits.request_capacity / window, now)
         self.token_window = WindowLedger(limits.token_capacity, limits.window_s)
         self.request_window = WindowLedger(limits.request_capacity, limits.window_s)
         self.rate_factor = 1.0
@@ -119,8 +120,8 @@ class ProviderLimiter:
         self._at = now
 
     def _apply_rate(self) -> None:
-        self.tokens.rate = self.tokens.capacity / 60.0 * self.rate_factor
-        self.requests.rate = self.requests.capacity / 60.0 * self.rate_factor
+        self.tokens.rate = self.tokens.capacity / self.limits.window_s * self.rate_factor
+        self.requests.rate = self.requests.capacity / self.limits.window_s * self.rate_factor
 
     # ------------------------------------------------------------------ admission
 

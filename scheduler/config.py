@@ -36,7 +36,9 @@ class ProviderLimits(_Frozen):
     tokens_per_minute: PositiveInt
     requests_per_minute: PositiveInt
     headroom: float = Field(default=0.05, ge=0.0, lt=1.0)
-    window_s: PositiveFloat = 60.0  # the provider's accounting window for "per minute"
+    # The provider's accounting window: 60 s for real providers ("per minute"); the limits above are
+    # per window, so a time-compressed testbed (e.g. 5 s windows) is modelled exactly.
+    window_s: PositiveFloat = 60.0
 
     @model_validator(mode="after")
     def _room_for_one_request(self) -> Self:
@@ -87,8 +89,10 @@ class SchedulerConfig(_Frozen):
     # For a provider key not listed in ``providers``; None: an unknown key is an input error.
     default_provider: ProviderLimits | None = None
     class_weights: dict[str, PositiveFloat] = Field(default_factory=lambda: dict(DEFAULT_CLASS_WEIGHTS))
-    # DRR quantum Q_base in tokens: a class of weight w earns w * Q_base per round.
-    quantum_tokens: PositiveInt = 1024
+    # DRR quantum Q_base in tokens: a class of weight w earns w * Q_base per round. Small on purpose: a
+    # class returning to an empty queue joins the back of the round, so a round's length (about
+    # sum(w) * Q_base tokens of admissions) is the extra wait a returning interactive turn sees.
+    quantum_tokens: PositiveInt = 256
     pools: dict[str, SandboxPoolConfig] = Field(default_factory=dict)
     reserved_class: str = "interactive"  # the class the sandbox reserve is kept for
     turn_lease_s: PositiveFloat = 600.0  # an unsettled grant older than this is reclaimed
