@@ -21,7 +21,7 @@ from typing import Any, Self, cast
 
 import redis.asyncio as aioredis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from pydantic import BaseModel, ConfigDict, JsonValue
+from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from actors.relay import AUDIT_STREAM, AuditEntry
 from cluster.control import ControlAction, ControlMessage, ControlStream, LiveEvent
@@ -218,8 +218,10 @@ class ControlClient:
                 reason=reason,
                 payload=payload,
             )
-        except ValueError as e:  # pydantic ValidationError is a ValueError
-            raise InputError(str(e).splitlines()[0] if str(e) else repr(e), where="control message") from e
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "(message)"
+            raise InputError(first["msg"], where=f"control message field {field!r}") from e
         return sign(message, issuer, self._key(issuer))
 
     async def send(
