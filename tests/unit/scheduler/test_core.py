@@ -277,3 +277,34 @@ def test_admitted_tokens_never_exceed_capacity_in_any_window(
     for b, used in admissions:
         running += used
         assert running <= rate * (b - start) + 1e-6
+
+
+class RecordingMetrics:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, ...]] = []
+
+    def bucket_level(self, provider_key: str, resource: str, level: float, capacity: float) -> None:
+        self.events.append(("level", resource))
+
+    def admission_wait(self, priority_class: str, seconds: float) -> None:
+        self.events.append(("wait", priority_class, f"{seconds:.1f}"))
+
+    def rate_limited(self, provider_key: str) -> None:
+        self.events.append(("429", provider_key))
+
+    def refused(self, kind: str, priority_class: str, predicate: str) -> None:
+        self.events.append(("refused", kind, priority_class, predicate))
+
+
+def test_metrics_hooks_see_waits_429s_levels_and_refusals(clock: FakeClock) -> None:
+    metrics = RecordingMetrics()
+    core = SchedulerCore(CONFIG, clock, metrics=metrics)
+    core.submit_turn(turn(clock, "interactive", tokens=2_000))
+    core.submit_turn(turn(clock, "batch", tokens=10, deadline_in=0.0))
+    clock.advance(2.0)
+    core.tick()
+    core.report_rate_limited(KEY, 1.0, {})
+    assert ("wait", "interactive", "2.0") in metrics.events
+    assert ("refused", "turn", "batch", "deadline") in metrics.events
+    assert ("429", KEY) in metrics.events
+    assert {("level", "tokens"), ("level", "requests")} <= set(metrics.events)
