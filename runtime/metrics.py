@@ -1,0 +1,306 @@
+"""Operator metrics as a plugin: the table of what Tether reports, a typed recording API, and the no-op and
+in-memory backends. Pure: backends that talk to Prometheus or Ray live at the edge
+(``cluster.metrics.PrometheusBackend``, ``actors.metrics_ray.RayBackend``), so every layer can record
+through an injected :class:`Metrics` without importing them.
+
+What is measured follows the reliability guide §12.5 ("signals worth watching": guard firing rate by guard,
+budget exhaustion, escalations by trigger, partial completion rate, retry ratio, duplicate-effect rate, steps
+to completion) plus the control plane: scheduler bucket level, admission wait by class, 429s received,
+breaker state / trips / probes, control latency, trajectories by state. Counters are cumulative; the
+dashboard (cluster/grafana/tether.json) takes ``rate()`` of them. Nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from runtime.errors import InputError
+
+__all__ = [
+    "METRICS",
+    "BreakerStateValue",
+    "InMemoryBackend",
+    "Kind",
+    "MetricSpec",
+    "Metrics",
+    "MetricsBackend",
+    "NoopBackend",
+    "current",
+    "install",
+]
+
+
+class Kind(StrEnum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+class BreakerStateValue(StrEnum):
+    """Breaker states as exported: the gauge carries the numeric code so a graph shows transitions."""
+
+    CLOSED = "closed"
+    HALF_OPEN = "half_open"
+    OPEN = "open"
+
+    @property
+    def code(self) -> int:
+        return {"closed": 0, "half_open": 1, "open": 2}[self.value]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its base name (counters get ``_total`` on export), kind, labels and help text."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+_STEP_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+METRICS: dict[str, MetricSpec] = {
+    spec.name: spec
+    for spec in (
+        # §12.5 signals
+        MetricSpec("tether_guard_fired", Kind.COUNTER, "Guard firings, by guard.", ("guard",)),
+        MetricSpec(
+            "tether_budget_exhausted",
+            Kind.COUNTER,
+            "Budget exhaustions, by binding dimension.",
+            ("dimension",),
+        ),
+        MetricSpec("tether_escalations", Kind.COUNTER, "Escalations to a person, by trigger.", ("trigger",)),
+        MetricSpec(
+            "tether_trajectories_finished",
+            Kind.COUNTER,
+            "Trajectories that reached a final outcome (completed, partial, failed, cancelled, killed).",
+            ("outcome",),
+        ),
+        MetricSpec("tether_step_attempts", Kind.COUNTER, "Step attempts, first tries and retries."),
+        MetricSpec(
+            "tether_steps_completed", Kind.COUNTER, "Steps completed; attempts/completed is the retry ratio."
+        ),
+        MetricSpec(
+            "tether_duplicate_effects",
+            Kind.COUNTER,
+            "External effects applied more than once; zero by construction.",
+            ("tool",),
+        ),
+        MetricSpec(
+            "tether_steps_to_completion",
+            Kind.HISTOGRAM,
+            "Steps a trajectory took to finish.",
+            buckets=_STEP_BUCKETS,
+        ),
+        # scheduler
+        MetricSpec(
+            "tether_scheduler_bucket_level",
+            Kind.GAUGE,
+            "Token bucket fill, as a fraction of capacity.",
+            ("bucket",),
+        ),
+        MetricSpec(
+            "tether_admission_wait_seconds",
+            Kind.HISTOGRAM,
+            "Time from admission request to grant, by priority class.",
+            ("priority_class",),
+            _WAIT_BUCKETS,
+        ),
+        MetricSpec(
+            "tether_provider_429", Kind.COUNTER, "HTTP 429 responses received, by provider.", ("provider",)
+        ),
+        # breakers
+        MetricSpec(
+            "tether_breaker_state",
+            Kind.GAUGE,
+            "Breaker state per scope: 0 closed, 1 half-open, 2 open.",
+            ("scope",),
+        ),
+        MetricSpec("tether_breaker_trips", Kind.COUNTER, "Breaker trips to open, by scope.", ("scope",)),
+        MetricSpec(
+            "tether_breaker_probes",
+            Kind.COUNTER,
+            "Half-open probes, by scope and outcome.",
+            ("scope", "outcome"),
+        ),
+        # control plane
+        MetricSpec(
+            "tether_control_latency_seconds",
+            Kind.HISTOGRAM,
+            "Time from a control message's publication to the trajectory recording it, by kind.",
+            ("kind",),
+            _CONTROL_BUCKETS,
+        ),
+        MetricSpec("tether_trajectories", Kind.GAUGE, "Live trajectories, by state.", ("state",)),
+    )
+}
+"""Every metric Tether exports, by base name."""
+
+
+class MetricsBackend(Protocol):
+    """Where recorded values go. Called with a known spec and labels already checked against it."""
+
+    def inc(self, spec: MetricSpec, labels: Mapping[str, str], amount: float) -> None: ...
+
+    def set(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None: ...
+
+    def observe(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None: ...
+
+
+class NoopBackend:
+    """Records nothing: the default, so code can always record without checking whether metrics are on."""
+
+    def inc(self, spec: MetricSpec, labels: Mapping[str, str], amount: float) -> None:
+        pass
+
+    def set(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        pass
+
+    def observe(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        pass
+
+
+def _key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+@dataclass
+class InMemoryBackend:
+    """Keeps values in dicts keyed by (name, sorted labels); histograms keep every observation."""
+
+    counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    observations: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = field(default_factory=dict)
+
+    def inc(self, spec: MetricSpec, labels: Mapping[str, str], amount: float) -> None:
+        key = (spec.name, _key(labels))
+        self.counters[key] = self.counters.get(key, 0.0) + amount
+
+    def set(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        self.gauges[(spec.name, _key(labels))] = value
+
+    def observe(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        self.observations.setdefault((spec.name, _key(labels)), []).append(value)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A counter's total or a gauge's value (0 when never recorded)."""
+        key = (name, _key(labels))
+        return self.counters.get(key, self.gauges.get(key, 0.0))
+
+
+class Metrics:
+    """The recording API: one method per signal, each checked against :data:`METRICS`."""
+
+    def __init__(self, backend: MetricsBackend | None = None) -> None:
+        self.backend: MetricsBackend = backend if backend is not None else NoopBackend()
+
+    def _record(self, name: str, kind: Kind, value: float, labels: Mapping[str, str] | None = None) -> None:
+        labels = labels or {}
+        spec = METRICS[name]
+        if spec.kind is not kind:  # pragma: no cover - guards the table against a typo in this class
+            raise AssertionError(f"{name} is a {spec.kind}, not a {kind}")
+        if set(labels) != set(spec.labels):
+            raise InputError(f"metric {name}: labels {sorted(labels)} do not match {sorted(spec.labels)}")
+        for label, label_value in labels.items():
+            if not label_value:
+                raise InputError(f"metric {name}: label {label} must not be empty")
+        if kind is Kind.COUNTER:
+            if value < 0:
+                raise InputError(f"metric {name}: a counter cannot go down (got {value})")
+            self.backend.inc(spec, labels, value)
+        elif kind is Kind.GAUGE:
+            self.backend.set(spec, labels, value)
+        else:
+            if value < 0:
+                raise InputError(f"metric {name}: observed value must be >= 0 (got {value})")
+            self.backend.observe(spec, labels, value)
+
+    # §12.5 signals
+    def guard_fired(self, guard: str) -> None:
+        self._record("tether_guard_fired", Kind.COUNTER, 1, {"guard": guard})
+
+    def budget_exhausted(self, dimension: str) -> None:
+        self._record("tether_budget_exhausted", Kind.COUNTER, 1, {"dimension": dimension})
+
+    def escalated(self, trigger: str) -> None:
+        self._record("tether_escalations", Kind.COUNTER, 1, {"trigger": trigger})
+
+    def trajectory_finished(self, outcome: str, steps: int) -> None:
+        """A trajectory reached a final outcome after ``steps`` steps (partial completion is an outcome)."""
+        self._record("tether_trajectories_finished", Kind.COUNTER, 1, {"outcome": outcome})
+        self._record("tether_steps_to_completion", Kind.HISTOGRAM, steps)
+
+    def step_attempted(self) -> None:
+        self._record("tether_step_attempts", Kind.COUNTER, 1)
+
+    def step_completed(self) -> None:
+        self._record("tether_steps_completed", Kind.COUNTER, 1)
+
+    def duplicate_effect(self, tool: str) -> None:
+        self._record("tether_duplicate_effects", Kind.COUNTER, 1, {"tool": tool})
+
+    # scheduler
+    def bucket_level(self, bucket: str, fraction: float) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise InputError(
+                f"metric tether_scheduler_bucket_level: fraction must be in [0, 1], got {fraction}"
+            )
+        self._record("tether_scheduler_bucket_level", Kind.GAUGE, fraction, {"bucket": bucket})
+
+    def admission_waited(self, priority_class: str, seconds: float) -> None:
+        self._record(
+            "tether_admission_wait_seconds", Kind.HISTOGRAM, seconds, {"priority_class": priority_class}
+        )
+
+    def rate_limited(self, provider: str) -> None:
+        self._record("tether_provider_429", Kind.COUNTER, 1, {"provider": provider})
+
+    # breakers
+    def breaker_state(self, scope: str, state: BreakerStateValue | str) -> None:
+        code = BreakerStateValue(state).code
+        self._record("tether_breaker_state", Kind.GAUGE, code, {"scope": scope})
+
+    def breaker_tripped(self, scope: str) -> None:
+        self._record("tether_breaker_trips", Kind.COUNTER, 1, {"scope": scope})
+
+    def breaker_probed(self, scope: str, outcome: str) -> None:
+        self._record("tether_breaker_probes", Kind.COUNTER, 1, {"scope": scope, "outcome": outcome})
+
+    # control plane
+    def control_latency(self, kind: str, seconds: float) -> None:
+        self._record("tether_control_latency_seconds", Kind.HISTOGRAM, seconds, {"kind": kind})
+
+    def trajectories_in_state(self, state: str, count: int) -> None:
+        if count < 0:
+            raise InputError(f"metric tether_trajectories: count must be >= 0, got {count}")
+        self._record("tether_trajectories", Kind.GAUGE, count, {"state": state})
+
+
+_current: Metrics | None = None
+_current_lock = threading.Lock()
+
+
+def install(metrics: Metrics) -> Metrics:
+    """Make ``metrics`` this process's instance (returned by :func:`current`); returns it."""
+    global _current
+    with _current_lock:
+        _current = metrics
+    return metrics
+
+
+def current() -> Metrics:
+    """This process's installed :class:`Metrics`, or a no-op one if none was installed."""
+    global _current
+    with _current_lock:
+        if _current is None:
+            _current = Metrics()
+        return _current
