@@ -52,6 +52,7 @@ FAKE_MULTINODE_CONFIG = Path(__file__).resolve().parent / "autoscaler" / "fake_m
 """The shipped fake multi-node autoscaler config."""
 
 TRAJECTORY_RESOURCE = "tether_trajectory"
+LOOPBACK = "127.0.0.1"
 """Custom resource a trajectory actor requests; node types declare how many trajectories they hold."""
 
 _REQUIRED_KEYS = ("cluster_name", "provider", "available_node_types", "head_node_type")
@@ -148,9 +149,9 @@ class RayHead:
         return self._session_id is not None
 
     def _prepare(self) -> None:
-        from ray.util import get_node_ip_address
-
-        self._ip = str(get_node_ip_address())  # type: ignore[no-untyped-call]
+        # Loopback only: Ray would otherwise pick the machine's routable address, and every test and
+        # local cluster here must keep its traffic on this machine's loopback interface.
+        self._ip = LOOPBACK
         if not self.port:
             self.port = free_tcp_port()
         if self.include_dashboard and not self.dashboard_port:
@@ -166,6 +167,7 @@ class RayHead:
             "start",
             "--head",
             f"--port={self.port}",
+            f"--node-ip-address={LOOPBACK}",
             f"--num-cpus={self.num_cpus}",
             f"--temp-dir={self.temp_dir}",
             f"--object-store-memory={self.object_store_memory}",

@@ -33,6 +33,7 @@ def ray_local() -> Iterator[None]:
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(
+        _node_ip_address="127.0.0.1",  # keep all Ray traffic on loopback
         num_cpus=2,
         include_dashboard=False,
         namespace="tether",
