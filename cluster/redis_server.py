@@ -61,17 +61,29 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port(self.host)
+        # redis-server chdirs into --dir before it opens --logfile: a relative data dir (the default
+        # ".tether/redis") would put the log path under itself, and the server would exit at start.
+        data_dir = self.data_dir.resolve()
         args = [
             redis_server_binary(),
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes",
-            "--appendfsync", self.appendfsync,
-            "--save", "",
-            "--daemonize", "no",
-            "--protected-mode", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
         if self.password:
             args += ["--requirepass", self.password]

@@ -1,4 +1,4 @@
-"""Fixtures shared by the integration and fault tiers: a private redis-server per test, a local Ray per module."""
+"""Fixtures for integration and fault tests: a private redis-server per test, a local Ray per module."""
 
 from __future__ import annotations
 
