@@ -71,7 +71,7 @@ class RedisServer:
             "--bind",
             self.host,
             "--dir",
-            str(self.data_dir),
+            str(data_dir),
             "--appendonly",
             "yes",
             "--appendfsync",
@@ -83,7 +83,7 @@ class RedisServer:
             "--protected-mode",
             "no",
             "--logfile",
-            str(self.data_dir / "redis.log"),
+            str(data_dir / "redis.log"),
         ]
         if self.password:
             args += ["--requirepass", self.password]
