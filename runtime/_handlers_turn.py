@@ -1,0 +1,127 @@
+"""Handlers for the turn itself: turn starts, the model call of each CALLING_MODEL episode, the observations
+appended from its reply, and the completion check run in FINALIZING.
+
+Model usage is metered from the provider's report, and every attempt is charged, aborted ones included. Only
+a reply that ended cleanly is appended to the context (quarantine), and only a tool_use reply proposes calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from runtime._handlers_common import Handler, charged, refuse, require_state
+from runtime.budget import Dimension
+from runtime.events import (
+    CompletionChecked,
+    Event,
+    ModelCallCancelled,
+    ModelCallFailed,
+    ModelCallIntent,
+    ModelCallSettled,
+    ObservationAppended,
+    ObservationKind,
+    TrajectoryCreated,
+    TurnStarted,
+)
+from runtime.ports import Usage
+from runtime.record import ModelCall, ModelOutcome, TrajectoryRecord
+from runtime.states import ExitReason, TrajectoryState
+
+S = TrajectoryState
+
+
+def _model_charge(usage: Usage, dollars: float) -> dict[str, float]:
+    return {Dimension.TOKENS: float(usage.total), Dimension.DOLLARS: dollars}
+
+
+def _created(rec: TrajectoryRecord, ev: TrajectoryCreated) -> TrajectoryRecord:
+    return refuse(rec, ev, "already_created", "a log has exactly one trajectory_created, first")
+
+
+def _completion_checked(rec: TrajectoryRecord, ev: CompletionChecked) -> TrajectoryRecord:
+    require_state(rec, ev, S.FINALIZING)
+    if ev.check != rec.contract.completion_check.name:
+        refuse(rec, ev, "wrong_check", f"the contract names {rec.contract.completion_check.name!r}")
+    if rec.check_passed is not None:
+        refuse(rec, ev, "already_checked", "the completion check has a verdict")
+    exit_reason = rec.exit_reason
+    if exit_reason is ExitReason.COMPLETED and not ev.passed:
+        exit_reason = ExitReason.COMPLETION_CHECK_FAILED
+    return replace(rec, check_passed=ev.passed, exit_reason=exit_reason)
+
+
+def _turn_started(rec: TrajectoryRecord, ev: TurnStarted) -> TrajectoryRecord:
+    require_state(rec, ev, S.READY)
+    if ev.turn != rec.turn_count + 1:
+        refuse(rec, ev, "turn_out_of_order", f"next turn is {rec.turn_count + 1}, got {ev.turn}")
+    return replace(rec, turn_count=ev.turn, spend=charged(rec, {Dimension.TURNS: 1.0}))
+
+
+def _model_intent(rec: TrajectoryRecord, ev: ModelCallIntent) -> TrajectoryRecord:
+    require_state(rec, ev, S.CALLING_MODEL)
+    if rec.model_call is not None:
+        refuse(rec, ev, "one_call_per_episode", "this CALLING_MODEL episode already made its call")
+    if ev.model != rec.limits.model:
+        refuse(rec, ev, "model_mismatch", f"the per-call limits name {rec.limits.model!r}")
+    if ev.max_tokens > rec.limits.max_output_tokens:
+        refuse(rec, ev, "max_tokens_above_limit", f"limit is {rec.limits.max_output_tokens}")
+    if rec.deadline is not None and ev.deadline > rec.deadline:
+        refuse(rec, ev, "deadline_beyond_trajectory", "inner deadlines are clamped to the trajectory's")
+    call = ModelCall(ev.grant_id, ev.model, ev.max_tokens, ev.deadline)
+    return replace(rec, model_call=call)
+
+
+def _model_ended(
+    rec: TrajectoryRecord, ev: Event, outcome: ModelOutcome, usage: Usage, dollars: float
+) -> TrajectoryRecord:
+    require_state(rec, ev, S.CALLING_MODEL)
+    if rec.model_call is None or rec.model_call.outcome is not None:
+        refuse(rec, ev, "no_call_in_flight", "no model call is in flight")
+    # Usage is metered from the provider's report; every attempt, aborted ones included, is charged.
+    return replace(
+        rec,
+        model_call=replace(rec.model_call, outcome=outcome),
+        spend=charged(rec, _model_charge(usage, dollars)),
+    )
+
+
+def _model_settled(rec: TrajectoryRecord, ev: ModelCallSettled) -> TrajectoryRecord:
+    return _model_ended(rec, ev, ModelOutcome(ev.stop_reason.value), ev.usage, ev.dollars)
+
+
+def _model_cancelled(rec: TrajectoryRecord, ev: ModelCallCancelled) -> TrajectoryRecord:
+    return _model_ended(rec, ev, ModelOutcome.CANCELED, ev.usage, ev.dollars)
+
+
+def _model_failed(rec: TrajectoryRecord, ev: ModelCallFailed) -> TrajectoryRecord:
+    return _model_ended(rec, ev, ModelOutcome.FAILED, ev.usage, ev.dollars)
+
+
+_PARSED = frozenset(
+    {ModelOutcome.END_TURN, ModelOutcome.MAX_TOKENS, ModelOutcome.TOOL_USE, ModelOutcome.REFUSAL}
+)
+
+
+def _observation(rec: TrajectoryRecord, ev: ObservationAppended) -> TrajectoryRecord:
+    if ev.observation is ObservationKind.ASSISTANT:
+        # Quarantine: only a reply that ended cleanly is appended, and only a tool_use reply carries calls.
+        require_state(rec, ev, S.CALLING_MODEL)
+        if rec.model_call is None or rec.model_call.outcome not in _PARSED:
+            refuse(rec, ev, "reply_not_parseable", "an aborted or failed call has no reply to append")
+        if ev.tool_calls and rec.model_call.outcome is not ModelOutcome.TOOL_USE:
+            refuse(rec, ev, "truncated_reply_not_parsed", "only a tool_use reply proposes calls")
+    return rec
+
+
+HANDLERS: Mapping[type, Handler] = {
+    TrajectoryCreated: _created,
+    CompletionChecked: _completion_checked,
+    TurnStarted: _turn_started,
+    ModelCallIntent: _model_intent,
+    ModelCallSettled: _model_settled,
+    ModelCallCancelled: _model_cancelled,
+    ModelCallFailed: _model_failed,
+    ObservationAppended: _observation,
+}
+"""The turn's rules, by event type, for ``runtime.fold.apply``."""
