@@ -32,12 +32,16 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from actors.tools_local import builtin_tools
+from actors.wiring import testbed_contracts
 from runtime.errors import InputError
+from testbed.provider.scenarios import ScenarioError, parse_scenario
 
 __all__ = [
     "BudgetSpec",
     "CompletionCheckSpec",
     "ProviderSpec",
+    "RetrySpec",
     "ToolSource",
     "ToolSpec",
     "TrajectorySpec",
@@ -104,14 +108,25 @@ class ToolSource(StrEnum):
 
 
 class ToolSpec(_Strict):
+    """A tool the trajectories may be granted. Its contract (side effect, repeat contract, scope) is known
+    to Tether by name: the testbed services' tools, or the built-in in-process tools."""
+
     name: str
     source: ToolSource = ToolSource.TESTBED
     address: str | None = None
 
     @model_validator(mode="after")
-    def _address_for_grpc(self) -> ToolSpec:
+    def _known_tool(self) -> ToolSpec:
+        if self.source == ToolSource.BUILTIN:
+            known = sorted(builtin_tools())
+        else:
+            known = sorted(c.name for c in testbed_contracts())
+        if self.name not in known:
+            raise ValueError(f"{self.source.value} tool {self.name!r} is unknown; known: {', '.join(known)}")
         if self.source == ToolSource.GRPC and not self.address:
             raise ValueError(f"tool {self.name!r} has source grpc and needs address HOST:PORT")
+        if self.source != ToolSource.GRPC and self.address:
+            raise ValueError(f"tool {self.name!r}: address is only for source grpc")
         return self
 
 
@@ -164,11 +179,28 @@ class TrajectorySpec(_Strict):
             raise ValueError("id must be 1-96 characters of letters, digits, '.', '_' or '-'")
         return v
 
+    @field_validator("scenario")
+    @classmethod
+    def _scenario_grammar(cls, v: str) -> str:
+        try:
+            parse_scenario(v)
+        except ScenarioError as e:
+            raise ValueError(str(e)) from None
+        return v
+
     def expand(self) -> list[TrajectorySpec]:
         """``count`` copies with ids ``<id>-<n>`` (or the id itself when count is 1)."""
         if self.count == 1:
             return [self]
         return [self.model_copy(update={"id": f"{self.id}-{i}", "count": 1}) for i in range(self.count)]
+
+
+class RetrySpec(_Strict):
+    """The single retry owner's attempt budget per logical tool operation."""
+
+    max_attempts: PositiveInt = 3
+    base_backoff_s: PositiveFloat = 0.2
+    max_backoff_s: PositiveFloat = 5.0
 
 
 class Workload(_Strict):
@@ -179,7 +211,12 @@ class Workload(_Strict):
     )
     tools: tuple[ToolSpec, ...] = ()
     trajectories: Annotated[tuple[TrajectorySpec, ...], Field(min_length=1)]
-    approval_timeout_s: PositiveFloat = 30.0
+    approval_timeout_s: PositiveFloat = 30.0  # silence until then is denial
+    tool_timeout_s: PositiveFloat = 30.0
+    hibernate_after_s: PositiveFloat | None = None  # waiting longer than this: the actor exits, state stays
+    guard: Literal["actor", "local", "none"] = "actor"  # breaker + bulkhead per dependency scope
+    retry: RetrySpec = RetrySpec()
+    scheduler: bool = True  # admit turns through the scheduler actor (provider limits, priority classes)
 
     @model_validator(mode="after")
     def _cross_references(self) -> Workload:

@@ -1,0 +1,164 @@
+"""The launch record: everything needed to (re)build one trajectory actor, stored in Redis.
+
+A ``TrajectoryLaunch`` is written once by whoever starts the trajectory (``tether run``) under
+``tether:launch:<trajectory_id>``. Whoever has to bring the actor back later (a relay waking a hibernated
+trajectory, a driver resuming after its own restart) reads it and calls ``ensure_actor(launch)``; the
+actor then folds its durable log and continues. The launch holds configuration only, never state: the
+state is the log.
+
+Secrets stay out of it: the provider's API key is named by an environment variable the actor reads.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import redis
+import redis.exceptions
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+
+from runtime.budget import PriceTable
+from runtime.errors import CodecError, DependencyError
+from runtime.memstore import check_trajectory_id
+
+__all__ = [
+    "LAUNCH_KEY_PREFIX",
+    "CheckLaunch",
+    "GuardMode",
+    "ProviderLaunch",
+    "RetryLaunch",
+    "TrajectoryLaunch",
+    "launch_key",
+    "load_launch",
+    "save_launch",
+]
+
+LAUNCH_KEY_PREFIX = "tether:launch:"
+
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+GuardMode = Literal["actor", "local", "none"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ProviderLaunch(_Frozen):
+    """The model endpoint as the actor reaches it (already resolved: a simulated provider's real URL)."""
+
+    base_url: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    api_key_env: str = "OPENAI_API_KEY"  # read in the actor's process; unset -> a placeholder key
+    input_per_mtok: NonNegative = 3.0
+    cached_input_per_mtok: NonNegative = 0.30
+    output_per_mtok: NonNegative = 15.0
+
+    @property
+    def provider_key(self) -> str:
+        """The scheduler's bucket key: one per base URL and model."""
+        return f"{self.base_url}|{self.model}"
+
+    def prices(self) -> PriceTable:
+        return PriceTable(self.input_per_mtok, self.cached_input_per_mtok, self.output_per_mtok)
+
+
+class CheckLaunch(_Frozen):
+    """The task contract's completion check (``runtime.completion.CHECKS`` names)."""
+
+    name: Literal["always", "never", "min_tool_results", "tool_succeeded"] = "min_tool_results"
+    params: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class RetryLaunch(_Frozen):
+    """The single retry owner's attempt budget per logical tool operation."""
+
+    max_attempts: int = Field(3, ge=1)
+    base_backoff_s: Positive = 0.2
+    max_backoff_s: Positive = 5.0
+
+
+class TrajectoryLaunch(_Frozen):
+    """Everything needed to build (or rebuild) the actor of one trajectory."""
+
+    trajectory_id: str
+    tenant: str = "default"
+    goal: str = Field(min_length=1)
+    priority_class: str = "standard"
+    ceilings: dict[str, Positive] = Field(min_length=1)
+    grants: tuple[str, ...] = ()
+    approval_required: tuple[str, ...] = ()
+    max_tokens: int = Field(256, gt=0)
+    call_deadline_s: Positive = 30.0
+    deadline_s: Positive = 600.0
+    created_at: NonNegative  # epoch seconds, fixed at launch so a re-created actor builds the same record
+    completion_check: CheckLaunch = CheckLaunch()
+    metadata: dict[str, str] = Field(default_factory=dict)  # e.g. {"scenario": "finish_after:2"}
+    system_prompt: str | None = None
+
+    provider: ProviderLaunch
+    redis_url: str = Field(min_length=1)
+    tool_routes: dict[str, str] = Field(default_factory=dict)  # tool -> gRPC host:port
+    local_tools: tuple[str, ...] = ()  # built-in in-process tools (actors.tools_local)
+    use_scheduler: bool = True  # admit through the named scheduler actor when one exists
+    guard: GuardMode = "actor"  # breaker + bulkhead: one guard actor per scope, in process, or none
+    retry: RetryLaunch = RetryLaunch()
+    keyring_path: str | None = None  # None: cluster default ($TETHER_KEYRING or .tether/keyring.yaml)
+    approval_timeout_s: Positive = 300.0
+    approval_quorum: int = Field(1, ge=1)
+    tool_timeout_s: Positive = 30.0
+    hibernate_after_s: Positive | None = None
+    workspace_root: str | None = None  # sandbox workspaces; None: no sandbox
+    resources: dict[str, Positive] | None = None  # None: {"tether_trajectory": 1} where defined
+
+    @field_validator("trajectory_id")
+    @classmethod
+    def _valid_id(cls, value: str) -> str:
+        return check_trajectory_id(value)
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, data: str | bytes, where: str = "launch") -> TrajectoryLaunch:
+        """Decode a stored launch; ``CodecError`` names what is wrong."""
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise CodecError(f"not a valid trajectory launch: {problems}", where=where) from e
+
+
+def launch_key(trajectory_id: str) -> str:
+    """The Redis key of a trajectory's launch record."""
+    return LAUNCH_KEY_PREFIX + check_trajectory_id(trajectory_id)
+
+
+def _client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url, socket_timeout=10.0, socket_connect_timeout=10.0)
+
+
+def save_launch(redis_url: str, launch: TrajectoryLaunch) -> None:
+    """Store ``launch`` under ``tether:launch:<id>`` (overwrites: the latest launch wins)."""
+    client = _client(redis_url)
+    try:
+        client.set(launch_key(launch.trajectory_id), launch.to_json())
+    except redis.exceptions.RedisError as e:
+        raise DependencyError(f"saving the launch of {launch.trajectory_id}: {e}", scope="redis") from e
+    finally:
+        client.close()
+
+
+def load_launch(redis_url: str, trajectory_id: str) -> TrajectoryLaunch | None:
+    """The stored launch of ``trajectory_id``, or None when it was never launched."""
+    key = launch_key(trajectory_id)
+    client = _client(redis_url)
+    try:
+        raw = client.get(key)
+    except redis.exceptions.RedisError as e:
+        raise DependencyError(f"loading the launch of {trajectory_id}: {e}", scope="redis") from e
+    finally:
+        client.close()
+    if raw is None:
+        return None
+    return TrajectoryLaunch.from_json(raw, where=key)

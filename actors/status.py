@@ -1,0 +1,161 @@
+"""What a trajectory actor shows the outside world while it runs: a summary, a status snapshot in Redis,
+and state-change events on ``tether:events``.
+
+None of this is the durable record (the log is): the snapshot and the events are views for ``tether run``'s
+progress bar and for ``tether watch``/``status``. They are therefore written off the critical path: the
+harness's ``on_event`` hook only marks the latest snapshot dirty, and one writer task per actor flushes it
+(coalescing bursts: ten appends in a millisecond are one write).
+
+Snapshot hash ``tether:status:<id>`` fields: ``state``, ``turns``, ``rho``, ``binding_dimension``,
+``exit_reason``, ``tokens``, ``dollars``, ``hibernated`` (``0``/``1``), ``held_digest``, ``held_tool``,
+``held_expires_at`` (only while AWAITING_APPROVAL), ``pid``, ``updated_at`` (epoch seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from cluster.control import ControlStream, LiveEvent
+from runtime.budget import Dimension
+from runtime.clock import Clock
+from runtime.events import Event, ModelCallSettled, StateChanged, ToolCallHeld
+from runtime.memstore import check_trajectory_id
+from runtime.record import TrajectoryRecord
+from runtime.states import TrajectoryState
+
+__all__ = [
+    "STATUS_KEY_PREFIX",
+    "StatusPublisher",
+    "status_fields",
+    "status_key",
+    "summarize",
+]
+
+STATUS_KEY_PREFIX = "tether:status:"
+_log = logging.getLogger(__name__)
+
+# Events that change what the snapshot shows; everything else is not worth a write.
+_SHOWN = (StateChanged, ToolCallHeld, ModelCallSettled)
+
+
+def status_key(trajectory_id: str) -> str:
+    """The Redis hash holding a trajectory's status snapshot."""
+    return STATUS_KEY_PREFIX + check_trajectory_id(trajectory_id)
+
+
+def summarize(record: TrajectoryRecord, hibernated: bool = False) -> dict[str, Any]:
+    """The run summary ``TrajectoryActor.run()`` returns (and the report's per-trajectory row)."""
+    return {
+        "id": record.trajectory_id,
+        "state": record.state.value,
+        "exit_reason": record.exit_reason.value if record.exit_reason is not None else None,
+        "turns": record.turn_count,
+        "tokens": int(record.spend.get(Dimension.TOKENS)),
+        "dollars": round(record.spend.get(Dimension.DOLLARS), 6),
+        "binding_dimension": record.binding_dimension,
+        "rho": round(record.rho, 4),
+        "hibernated": hibernated,
+    }
+
+
+def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> dict[str, str]:
+    """The snapshot hash of ``record`` (all values strings; empty string for "none")."""
+    held = record.held if record.state is TrajectoryState.AWAITING_APPROVAL else None
+    return {
+        "state": record.state.value,
+        "turns": str(record.turn_count),
+        "rho": f"{record.rho:.4f}",
+        "binding_dimension": record.binding_dimension or "",
+        "exit_reason": record.exit_reason.value if record.exit_reason is not None else "",
+        "tokens": str(int(record.spend.get(Dimension.TOKENS))),
+        "dollars": f"{record.spend.get(Dimension.DOLLARS):.6f}",
+        "hibernated": "1" if hibernated else "0",
+        "held_digest": held.digest if held is not None else "",
+        "held_tool": held.tool if held is not None else "",
+        "held_expires_at": f"{held.expires_at:.3f}" if held is not None else "",
+        "pid": str(os.getpid()),
+        "updated_at": f"{now:.3f}",
+    }
+
+
+class StatusPublisher:
+    """Coalescing writer of one trajectory's snapshot and live events (a ``HarnessHooks.on_event`` sink)."""
+
+    def __init__(
+        self, client: aioredis.Redis, events: ControlStream, trajectory_id: str, clock: Clock
+    ) -> None:
+        self._client = client
+        self._events = events
+        self._key = status_key(trajectory_id)
+        self._trajectory_id = trajectory_id
+        self._clock = clock
+        self._latest: TrajectoryRecord | None = None
+        self._hibernated = False
+        self._live: list[LiveEvent] = []
+        self._dirty = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writer: asyncio.Task[None] | None = None
+
+    def on_event(self, record: TrajectoryRecord, event: Event) -> None:
+        if not isinstance(event, _SHOWN):
+            return
+        if isinstance(event, StateChanged):
+            self._live.append(
+                LiveEvent(
+                    trajectory_id=self._trajectory_id,
+                    kind="state",
+                    at=self._clock.wall(),
+                    data={
+                        "from": event.from_state.value,
+                        "to": event.to_state.value,
+                        "reason": event.reason,
+                        "turns": record.turn_count,
+                        "exit_reason": event.exit_reason.value if event.exit_reason is not None else None,
+                    },
+                )
+            )
+        self.show(record)
+
+    def show(self, record: TrajectoryRecord, *, hibernated: bool = False) -> None:
+        """Mark ``record`` as the snapshot to write next."""
+        self._latest = record
+        self._hibernated = hibernated
+        self._idle.clear()
+        self._dirty.set()
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_forever())
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until everything shown so far is written (bounded: a view must not hold up the actor)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._writer
+
+    async def _write_forever(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            record, hibernated = self._latest, self._hibernated
+            live, self._live = self._live, []
+            try:
+                if record is not None:
+                    fields = status_fields(record, hibernated=hibernated, now=self._clock.wall())
+                    await self._client.hset(self._key, mapping=dict[Any, Any](fields))
+                for event in live:
+                    await self._events.publish_event(event)
+            except Exception as e:  # a view that cannot be written is logged, never fatal
+                _log.warning("status of %s not written: %r", self._trajectory_id, e)
+            if not self._dirty.is_set():
+                self._idle.set()

@@ -1,0 +1,309 @@
+"""The trajectory actor: one async Ray actor per trajectory, a thin shell over ``runtime.harness.Harness``.
+
+ARCHITECTURE.md, "One turn, end to end" runs inside the harness; this shell only builds its ports from the
+launch record (``actors.wiring``), creates or recovers the record from the durable log, runs the loop, and
+receives control messages.
+
+- Named ``traj:<id>`` in namespace ``tether``, ``num_cpus=0`` (waiting on a model or a tool is not compute),
+  ``{"tether_trajectory": 1}`` when the cluster defines that resource (so the autoscaler can size nodes).
+- Restarts are unlimited and calls in flight are retried on the new incarnation: after its worker process
+  dies (SIGKILL, node loss) the actor is rebuilt from the same launch, folds its log and continues. Budgets,
+  spend, turn count and pending approvals carry over; an operation whose intent was logged but whose result
+  was not is *unknown* and is not re-dispatched unless its repeat contract allows it (the harness decides).
+- ``deliver`` verifies a signed control message (signature, role, validity window, replay against the
+  record's seen ids and ``tether:nonces:<id>``) before the harness records it; a refusal with a new message
+  id is audited in the trajectory's log (``ControlRejected``).
+- Hibernation: when the harness returns from a long wait (approval, pause) the actor closes its ports, marks
+  its status ``hibernated=1`` and exits for good; ``ensure_actor(load_launch(...))`` brings it back.
+- Kill: the harness's ``on_kill`` hook tears the trajectory's sandbox process groups down at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+import redis.asyncio as aioredis
+
+from actors.launch import TrajectoryLaunch, load_launch, save_launch
+from actors.sandbox import Sandbox
+from actors.status import StatusPublisher, summarize
+from actors.tools_local import LOCAL_SCOPE
+from actors.wiring import BuiltPorts, SplitGuard, build_config, build_created, build_ports, build_registry
+from breakers.inprocess import InProcessGuard
+from cluster.control import ControlAction as WireAction
+from cluster.control import ControlMessage, ControlStream, decode_message
+from cluster.signing import Keyring, RejectReason, Verifier, keyring_path
+from runtime.clock import SystemClock
+from runtime.dispatch import NoGuard
+from runtime.errors import CodecError, ControlError
+from runtime.events import Event
+from runtime.harness import Harness, RunOutcome
+from runtime.memstore import check_trajectory_id
+from runtime.ports import AdmissionPort, GuardPort
+from runtime.record import ControlAction, TrajectoryRecord
+
+__all__ = [
+    "NAMESPACE",
+    "NONCE_KEY_PREFIX",
+    "TRAJECTORY_RESOURCE",
+    "TrajectoryActor",
+    "TrajectoryLaunch",
+    "actor_name",
+    "ensure_actor",
+    "load_launch",
+    "save_launch",
+]
+
+NAMESPACE = "tether"
+TRAJECTORY_RESOURCE = "tether_trajectory"
+NONCE_KEY_PREFIX = "tether:nonces:"
+_NONCE_TTL_S = 2 * 86_400  # longer than any message's validity window (Verifier.max_ttl_s)
+_log = logging.getLogger(__name__)
+
+
+def actor_name(trajectory_id: str) -> str:
+    """The Ray actor name of a trajectory."""
+    return f"traj:{check_trajectory_id(trajectory_id)}"
+
+
+class _Hooks:
+    """Harness hooks: the status view on every event, the sandbox teardown on kill."""
+
+    def __init__(self, status: StatusPublisher, sandbox: Sandbox | None) -> None:
+        self.status = status
+        self.sandbox = sandbox
+
+    def on_event(self, record: TrajectoryRecord, event: Event) -> None:
+        self.status.on_event(record, event)
+
+    async def on_kill(self, record: TrajectoryRecord) -> None:
+        if self.sandbox is not None:
+            await self.sandbox.kill_all()
+
+
+class TrajectoryActor:
+    """The Ray actor body (wrapped by ``ray.remote`` in ``ensure_actor``). Construct with a launch's JSON."""
+
+    def __init__(self, launch_json: str) -> None:
+        self.launch = TrajectoryLaunch.from_json(launch_json)
+        self._clock = SystemClock()
+        self._start_lock = asyncio.Lock()
+        self._harness: Harness | None = None
+        self._built: BuiltPorts | None = None
+        self._redis: aioredis.Redis | None = None
+        self._status: StatusPublisher | None = None
+        self._loop_task: asyncio.Task[RunOutcome] | None = None
+        self._exiting = False
+        self._run_callers = 0
+
+    # ------------------------------------------------------------------ Ray methods
+
+    async def run(self) -> dict[str, Any]:
+        """Run to a terminal state (or hibernation); return the summary. Callers share one loop."""
+        self._run_callers += 1
+        try:
+            harness = await self._started()
+            if self._exiting:
+                return summarize(harness.record, hibernated=True)
+            outcome = await asyncio.shield(self._ensure_running())
+            return summarize(outcome.record, hibernated=outcome.hibernated)
+        finally:
+            self._run_callers -= 1
+
+    async def deliver(self, message: bytes) -> str:
+        """Verify and record one signed control message: "recorded", "duplicate" or "rejected:<REASON>"."""
+        if self._exiting:
+            # about to exit for hibernation: the relay must deliver again to the re-created actor
+            raise RuntimeError(f"{actor_name(self.launch.trajectory_id)} is hibernating; deliver again")
+        harness = await self._started()
+        try:
+            msg = decode_message(message)
+        except CodecError as e:
+            _log.warning("undecodable control message for %s: %s", self.launch.trajectory_id, e)
+            return f"rejected:{RejectReason.MALFORMED.value}"
+        if msg.message_id in harness.record.seen_control_ids:
+            return "duplicate"
+        if msg.trajectory_id != self.launch.trajectory_id:
+            await self._audit(harness, msg, "WRONG_TRAJECTORY", f"addressed to {msg.trajectory_id}")
+            return "rejected:WRONG_TRAJECTORY"
+        nonce_used = bool(await self._client().sismember(self._nonce_key, msg.nonce))
+        verifier = Verifier(Keyring.load(self._keyring_path()))
+        try:
+            verified = verifier.verify(
+                msg,
+                self._clock.wall(),
+                lambda mid, _nonce: nonce_used or mid in harness.record.seen_control_ids,
+            )
+        except ControlError as e:
+            await self._audit(harness, msg, e.reason, str(e))
+            return f"rejected:{e.reason}"
+        payload: dict[str, Any] = dict(msg.payload)
+        if msg.action in (WireAction.APPROVE, WireAction.DENY):
+            # the harness binds an approval to the held call's digest and counts distinct signers
+            payload["digest"] = msg.payload.get("call_digest")
+            payload["issuers"] = list(verified.signers)
+        answer = await harness.deliver_control(
+            msg.message_id, ControlAction(msg.action.value), msg.issuer, msg.reason, payload
+        )
+        if answer == "rejected":
+            return "rejected:TRAJECTORY_TERMINAL"
+        if answer == "recorded":
+            client = self._client()
+            await client.sadd(self._nonce_key, msg.nonce)
+            await client.expire(self._nonce_key, _NONCE_TTL_S)
+            self._ensure_running()  # a woken actor runs on from here
+        return answer
+
+    async def status(self) -> dict[str, Any]:
+        """The current summary plus what a status view shows (pending control, held call)."""
+        harness = await self._started()
+        rec = harness.record
+        held = rec.held
+        return {
+            **summarize(rec, hibernated=self._exiting),
+            "pending_control": [p.action.value for p in rec.pending_control],
+            "held": None
+            if held is None
+            else {"tool": held.tool, "digest": held.digest, "expires_at": held.expires_at},
+            "pid": os.getpid(),
+        }
+
+    def pid(self) -> int:
+        """The worker process id (fault tests kill it)."""
+        return os.getpid()
+
+    async def exit_hibernated(self) -> None:
+        """Exit for good once every run() caller has its answer (called by the actor on itself)."""
+        for _ in range(200):  # at most ~2 s: a caller that has not collected its answer by then reads status
+            if self._run_callers == 0:
+                break
+            await asyncio.sleep(0.01)
+        ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------------ internals
+
+    @property
+    def _nonce_key(self) -> str:
+        return NONCE_KEY_PREFIX + self.launch.trajectory_id
+
+    def _client(self) -> aioredis.Redis:
+        if self._redis is None:
+            self._redis = aioredis.Redis.from_url(self.launch.redis_url, socket_timeout=10.0)
+        return self._redis
+
+    def _keyring_path(self) -> Path:
+        return Path(self.launch.keyring_path) if self.launch.keyring_path else keyring_path()
+
+    async def _audit(self, harness: Harness, msg: ControlMessage, reason: str, detail: str) -> None:
+        if await harness.reject_control(msg.message_id, reason, detail[:500]) and self._status is not None:
+            self._status.show(harness.record)
+
+    async def _started(self) -> Harness:
+        """Build the ports and create (or fold) the record, once per incarnation."""
+        if self._harness is not None:
+            return self._harness
+        async with self._start_lock:
+            if self._harness is not None:
+                return self._harness
+            launch = self.launch
+            registry = build_registry(launch)
+            guard = self._guard()
+            self._built = build_ports(launch, self._clock, admission=self._admission(), guard=guard)
+            events = ControlStream(self._client(), url=launch.redis_url)
+            self._status = StatusPublisher(self._client(), events, launch.trajectory_id, self._clock)
+            sandbox = (
+                Sandbox(launch.trajectory_id, Path(launch.workspace_root)) if launch.workspace_root else None
+            )
+            harness = Harness(
+                launch.trajectory_id,
+                self._built.ports,
+                registry,
+                build_config(launch),
+                _Hooks(self._status, sandbox),
+            )
+            await harness.create(build_created(launch, registry))
+            self._status.show(harness.record)
+            self._harness = harness
+            return harness
+
+    def _admission(self) -> AdmissionPort:
+        from scheduler.actor import SCHEDULER_NAME, SCHEDULER_NAMESPACE, SchedulerHandle
+        from scheduler.inprocess import AlwaysAdmit
+
+        if self.launch.use_scheduler:
+            with contextlib.suppress(ValueError):
+                return SchedulerHandle(ray.get_actor(SCHEDULER_NAME, namespace=SCHEDULER_NAMESPACE))
+        return AlwaysAdmit(clock=self._clock)
+
+    def _guard(self) -> GuardPort:
+        tid = self.launch.trajectory_id
+        if self.launch.guard == "none":
+            return NoGuard()
+        local = InProcessGuard(self._clock, holder=tid)
+        if self.launch.guard == "local":
+            return local
+        from breakers.guard import GuardHandle
+
+        return SplitGuard(GuardHandle(holder=tid), local, frozenset({LOCAL_SCOPE}))
+
+    def _ensure_running(self) -> asyncio.Task[RunOutcome]:
+        # One loop per incarnation: harness.run() only returns terminal or hibernated, and both are final
+        # for this process (a hibernated actor exits; a woken trajectory runs in a new incarnation).
+        if self._loop_task is None:
+            self._loop_task = asyncio.ensure_future(self._loop())
+        return self._loop_task
+
+    async def _loop(self) -> RunOutcome:
+        harness = await self._started()
+        outcome = await harness.run()
+        assert self._status is not None
+        if outcome.hibernated:
+            self._exiting = True
+            self._status.show(outcome.record, hibernated=True)
+        else:
+            self._status.show(outcome.record)
+        await self._status.flush()
+        if outcome.hibernated:
+            await self._shutdown()
+            me = ray.get_runtime_context().current_actor
+            me.exit_hibernated.remote()
+        return outcome
+
+    async def _shutdown(self) -> None:
+        if self._harness is not None:
+            await self._harness.close()
+        if self._built is not None:
+            await self._built.close()
+        if self._status is not None:
+            await self._status.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+
+_RemoteTrajectory: Any = ray.remote(TrajectoryActor)
+
+
+def ensure_actor(launch: TrajectoryLaunch) -> Any:
+    """The actor ``traj:<id>``: the live one if it exists, else a new one built from ``launch``."""
+    if launch.resources is not None:
+        resources = dict(launch.resources)
+    elif ray.cluster_resources().get(TRAJECTORY_RESOURCE, 0) > 0:  # type: ignore[no-untyped-call]
+        resources = {TRAJECTORY_RESOURCE: 1.0}
+    else:
+        resources = {}
+    return _RemoteTrajectory.options(
+        name=actor_name(launch.trajectory_id),
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+        max_task_retries=-1,
+        resources=resources,
+    ).remote(launch.to_json())

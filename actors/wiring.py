@@ -1,0 +1,393 @@
+"""Building a trajectory's harness from its launch record: the record's creation event, the harness
+config, the tool registry, and the ports (log, model, tools, admission, guard, retry owner).
+
+Also here, because only the wiring needs them:
+
+- ``testbed_contracts()``: the client-side contracts of the testbed tool services (what the harness must
+  know to dispatch each one safely: side effect, repeat contract, probe, compensation, dependency scope);
+- ``RetryOwnerPort``: ``runtime.dispatch.RetryPort`` over ``breakers.RetryOwner``, the single retry owner;
+- ``RoutedToolPort``: one ``ToolPort`` over several (gRPC services and in-process tools), by tool name.
+
+Nothing here touches Ray except ``build_ports``, which looks up the named scheduler actor and creates
+guard-actor handles when the launch asks for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.launch import TrajectoryLaunch
+from actors.model_openai import OpenAIModel
+from actors.tools_grpc import GrpcToolPort
+from actors.tools_local import LocalToolPort, builtin_tools
+from breakers.retry import AttemptResult, RetryAction, RetryDecision, RetryOwner, RetryPolicy
+from cluster.log_store import RedisLogStore
+from runtime.clock import Clock
+from runtime.dispatch import NoGuard, RetryVerdict, Verdict
+from runtime.errors import InputError
+from runtime.events import TrajectoryCreated
+from runtime.harness import HarnessConfig, HarnessPorts
+from runtime.ports import (
+    AdmissionPort,
+    GuardPermit,
+    GuardPort,
+    OutcomeClass,
+    Settlement,
+    ToolInvocation,
+    ToolOutcome,
+    ToolPort,
+)
+from runtime.record import CallLimits, CompletionCheck, Grants, TaskContract
+from runtime.tools import (
+    Compensation,
+    RepeatContract,
+    SideEffect,
+    ToolContract,
+    ToolRegistry,
+    UnknownTool,
+)
+
+__all__ = [
+    "BuiltPorts",
+    "RetryOwnerPort",
+    "RoutedToolPort",
+    "SplitGuard",
+    "build_config",
+    "build_created",
+    "build_ports",
+    "build_registry",
+    "testbed_contracts",
+]
+
+
+# --------------------------------------------------------------------------- testbed tool contracts
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunTestsArgs(_Args):
+    suite: str = Field(min_length=1, max_length=200)
+    commit: str = Field(default="HEAD", min_length=1, max_length=80)
+
+
+class ProvisionArgs(_Args):
+    tenant: str = Field(min_length=1, max_length=80)
+    size: str = Field(default="small", pattern="^(small|medium|large)$")
+
+
+class ReleaseArgs(_Args):
+    env_id: str = Field(min_length=1, max_length=80)
+
+
+class NotifyArgs(_Args):
+    recipient: str = Field(min_length=1, max_length=200)
+    message: str = Field(min_length=1, max_length=4000)
+
+
+class SearchArgs(_Args):
+    query: str = Field(min_length=1, max_length=200)
+    limit: int = Field(default=10, ge=1, le=100)
+
+
+def testbed_contracts() -> list[ToolContract]:
+    """How the harness dispatches each testbed tool (the services' scopes are their breaker scopes)."""
+    return [
+        ToolContract(
+            name="run_tests",
+            description="Run a test suite at a commit; reports totals and failures (read-only).",
+            arguments=RunTestsArgs,
+            side_effect=SideEffect.READ_ONLY,
+            repeat=RepeatContract.IDEMPOTENT,
+            dependency_scope="test-runner",
+            target_keys=("suite",),
+        ),
+        ToolContract(
+            name="provision_env",
+            description="Allocate a billed environment for a tenant; release it with release_env.",
+            arguments=ProvisionArgs,
+            side_effect=SideEffect.REVERSIBLE,
+            # The service deduplicates by effect key and answers probes: an unknown outcome is probed first.
+            repeat=RepeatContract.PROBE_THEN_RETRY,
+            probe=True,
+            dependency_scope="env-provisioner",
+            compensation=Compensation("release_env", from_result={"env_id": "env_id"}),
+            target_keys=("tenant",),
+        ),
+        ToolContract(
+            name="release_env",
+            description="Release an environment (idempotent).",
+            arguments=ReleaseArgs,
+            side_effect=SideEffect.IRREVERSIBLE,
+            repeat=RepeatContract.IDEMPOTENT,
+            needs_approval=False,  # undoing spend needs nobody's permission
+            dependency_scope="env-provisioner",
+            target_keys=("env_id",),
+        ),
+        ToolContract(
+            name="send_notification",
+            description="Send a notification to a recipient. Irreversible: there is no unsend.",
+            arguments=NotifyArgs,
+            side_effect=SideEffect.IRREVERSIBLE,
+            repeat=RepeatContract.NEVER_REPEAT,
+            dependency_scope="notifier",
+            target_keys=("recipient",),
+        ),
+        ToolContract(
+            name="search_packages",
+            description="Search the package catalogue by name or summary (read-only).",
+            arguments=SearchArgs,
+            side_effect=SideEffect.READ_ONLY,
+            repeat=RepeatContract.IDEMPOTENT,
+            dependency_scope="package-search",
+            target_keys=("query",),
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- the single retry owner
+
+
+_VERDICTS: Mapping[RetryAction, Verdict] = {
+    RetryAction.DONE: Verdict.DONE,
+    RetryAction.RETRY: Verdict.RETRY,
+    RetryAction.PROBE: Verdict.PROBE,
+    RetryAction.LEAVE_UNKNOWN: Verdict.LEAVE_UNKNOWN,
+    RetryAction.GIVE_UP: Verdict.GIVE_UP,
+}
+
+
+def _verdict(decision: RetryDecision) -> RetryVerdict:
+    return RetryVerdict(_VERDICTS[decision.action], decision.reason, decision.delay_s)
+
+
+class RetryOwnerPort:
+    """``RetryPort`` over ``breakers.RetryOwner``: one attempt budget per logical operation.
+
+    Attempt ids are unique across actor incarnations (a restarted actor starts with fresh budgets, and
+    the log refuses a reused attempt id), so they carry a random suffix besides the attempt index.
+    """
+
+    def __init__(self, owner: RetryOwner) -> None:
+        self.owner = owner
+
+    def begin(self, operation_id: str, repeat: RepeatContract, deadline: float) -> None:
+        self.owner.begin(operation_id, repeat, deadline)
+
+    def next_attempt(self, operation_id: str) -> str:
+        budget = self.owner.budget(operation_id)
+        attempt = budget.next_attempt()
+        budget.charge(attempt)  # raises AttemptBudgetExhausted (a PolicyRefusal) when none is left
+        return attempt.attempt_id
+
+    def decide(self, operation_id: str, outcome: ToolOutcome) -> RetryVerdict:
+        return _verdict(self.owner.decide(operation_id, AttemptResult.from_outcome(outcome)))
+
+    def after_probe(self, operation_id: str, settlement: Settlement) -> RetryVerdict:
+        return _verdict(self.owner.after_probe(operation_id, settlement))
+
+    def forget(self, operation_id: str) -> None:
+        self.owner.forget(operation_id)
+
+
+def retry_owner(launch: TrajectoryLaunch, clock: Clock) -> RetryOwnerPort:
+    policy = RetryPolicy(
+        max_attempts=launch.retry.max_attempts,
+        base_backoff_s=launch.retry.base_backoff_s,
+        max_backoff_s=max(launch.retry.max_backoff_s, launch.retry.base_backoff_s),
+    )
+    counter = iter(range(1, 1 << 62))
+
+    def attempt_id() -> str:
+        return f"a{next(counter)}-{uuid.uuid4().hex[:8]}"
+
+    owner = RetryOwner(launch.trajectory_id, policy, clock, random.Random(), new_attempt_id=attempt_id)
+    return RetryOwnerPort(owner)
+
+
+# --------------------------------------------------------------------------- tools by route
+
+
+class RoutedToolPort:
+    """One ``ToolPort`` over several, chosen by tool name (gRPC services beside in-process tools)."""
+
+    def __init__(self, routes: Mapping[str, ToolPort]) -> None:
+        self._routes = dict(routes)
+
+    def _port(self, tool: str) -> ToolPort:
+        port = self._routes.get(tool)
+        if port is None:
+            raise UnknownTool(tool, self._routes)
+        return port
+
+    async def invoke(self, invocation: ToolInvocation) -> ToolOutcome:
+        return await self._port(invocation.tool).invoke(invocation)
+
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> Settlement:
+        return await self._port(tool).probe(tool, effect_key, deadline)
+
+    async def cancel(self, tool: str, effect_key: str) -> None:
+        await self._port(tool).cancel(tool, effect_key)
+
+
+class SplitGuard:
+    """One ``GuardPort`` over two: scopes in ``local_scopes`` (in-process tools) use ``local``, every
+    other scope ``shared`` (e.g. the guard actors every trajectory of the cluster shares)."""
+
+    def __init__(self, shared: GuardPort, local: GuardPort, local_scopes: frozenset[str]) -> None:
+        self._shared = shared
+        self._local = local
+        self._local_scopes = local_scopes
+
+    def _for(self, scope: str) -> GuardPort:
+        return self._local if scope in self._local_scopes else self._shared
+
+    async def admit(self, scope: str, call_id: str, deadline: float) -> GuardPermit:
+        return await self._for(scope).admit(scope, call_id, deadline)
+
+    async def record(self, permit: GuardPermit, outcome: OutcomeClass) -> None:
+        await self._for(permit.scope).record(permit, outcome)
+
+    async def release(self, permit: GuardPermit) -> None:
+        await self._for(permit.scope).release(permit)
+
+
+# --------------------------------------------------------------------------- record, config, registry
+
+
+def build_registry(launch: TrajectoryLaunch) -> ToolRegistry:
+    """Contracts of every tool the launch routes: testbed/gRPC tools by name, built-ins by name."""
+    known = {c.name: c for c in testbed_contracts()}
+    builtins = builtin_tools()
+    registry = ToolRegistry()
+    for name in sorted(launch.tool_routes):
+        if name not in known:
+            raise InputError(
+                f"no contract for gRPC tool {name!r}; known: {', '.join(sorted(known))}",
+                where=f"launch[{launch.trajectory_id}].tool_routes",
+            )
+        registry.register(known[name])
+    for name in sorted(launch.local_tools):
+        if name not in builtins:
+            raise InputError(
+                f"no built-in tool {name!r}; known: {', '.join(sorted(builtins))}",
+                where=f"launch[{launch.trajectory_id}].local_tools",
+            )
+        registry.register(builtins[name].contract)
+    return registry
+
+
+def build_created(launch: TrajectoryLaunch, registry: ToolRegistry) -> TrajectoryCreated:
+    """The trajectory's creation event, a pure function of its launch (a re-created actor builds the same)."""
+    granted = frozenset(launch.grants)
+    missing = sorted(granted - set(registry.names()))
+    if missing:
+        raise InputError(
+            f"grants name tools that are not routed: {', '.join(missing)}",
+            where=f"launch[{launch.trajectory_id}].grants",
+        )
+    read_only = frozenset(n for n in granted if registry.get(n).side_effect is SideEffect.READ_ONLY)
+    return TrajectoryCreated(
+        trajectory_id=launch.trajectory_id,
+        parent_id=None,
+        tenant=launch.tenant,
+        contract=TaskContract(
+            launch.goal, CompletionCheck(launch.completion_check.name, dict(launch.completion_check.params))
+        ),
+        limits=CallLimits(launch.provider.model, launch.max_tokens, launch.call_deadline_s),
+        ceilings=dict(launch.ceilings),
+        grants=Grants(
+            tools=granted,
+            read_only_tools=read_only,
+            approval_required=frozenset(launch.approval_required) & granted,
+        ),
+        priority_class=launch.priority_class,
+        created_at=launch.created_at,
+        deadline=launch.created_at + launch.deadline_s,
+        context_ref=f"tether:log:{launch.trajectory_id}",
+    )
+
+
+def build_config(launch: TrajectoryLaunch) -> HarnessConfig:
+    """Per-trajectory harness policy from the launch."""
+    return HarnessConfig(
+        provider_key=launch.provider.provider_key,
+        prices=launch.provider.prices(),
+        tool_timeout_s=launch.tool_timeout_s,
+        approval_timeout_s=launch.approval_timeout_s,
+        approval_quorum=launch.approval_quorum,
+        metadata=dict(launch.metadata),
+        system_prompt=launch.system_prompt,
+        idle_hibernate_s=launch.hibernate_after_s,
+        rng_seed=hash(launch.trajectory_id) & 0xFFFF_FFFF,
+    )
+
+
+# --------------------------------------------------------------------------- ports
+
+
+Closer = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class BuiltPorts:
+    """The harness ports plus what must be closed when the actor goes away."""
+
+    ports: HarnessPorts
+    local_tools: LocalToolPort | None
+    closers: list[Closer] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for closer in reversed(self.closers):
+            with contextlib.suppress(Exception):  # best effort: the process may be exiting
+                await closer()
+
+
+def build_ports(
+    launch: TrajectoryLaunch,
+    clock: Clock,
+    *,
+    admission: AdmissionPort,
+    guard: GuardPort | None = None,
+    env: Mapping[str, str] | None = None,
+) -> BuiltPorts:
+    """Log store, model, tools and retry owner for ``launch``; admission and guard are chosen by the caller
+    (the actor knows whether a scheduler actor exists and whether it runs inside Ray)."""
+    env = os.environ if env is None else env
+    closers: list[Closer] = []
+    log = RedisLogStore.from_url(launch.redis_url)
+    closers.append(log.close)
+    model = OpenAIModel(
+        base_url=launch.provider.base_url,
+        api_key=env.get(launch.provider.api_key_env) or "tether-unused",
+        clock=clock,
+    )
+    closers.append(model.aclose)
+    routes: dict[str, ToolPort] = {}
+    local: LocalToolPort | None = None
+    if launch.tool_routes:
+        grpc_port = GrpcToolPort(launch.tool_routes, clock=clock)
+        closers.append(grpc_port.close)
+        routes.update(dict.fromkeys(launch.tool_routes, grpc_port))
+    if launch.local_tools:
+        builtins = builtin_tools()
+        local = LocalToolPort(builtins[n] for n in launch.local_tools)
+        routes.update(dict.fromkeys(launch.local_tools, local))
+    ports = HarnessPorts(
+        model=model,
+        tools=RoutedToolPort(routes),
+        log=log,
+        admission=admission,
+        clock=clock,
+        guard=guard or NoGuard(),
+        retry=retry_owner(launch, clock),
+    )
+    return BuiltPorts(ports, local, closers)

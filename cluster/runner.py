@@ -1,0 +1,506 @@
+"""Running a workload: what ``tether run`` does between reading the file and printing the summary.
+
+1. ``Services`` starts what the workload needs and stops it on exit (also on Ctrl-C): the embedded Redis
+   (unless ``TETHER_REDIS_URL`` is set), the simulated provider, the testbed tool services, a small local
+   Ray (unless ``--address``), and the scheduler actor with the provider's limits and the priority classes.
+2. ``plan_launches`` turns every trajectory of the workload into a ``TrajectoryLaunch`` (stored in Redis, so
+   anyone can re-create an actor later).
+3. ``Driver`` creates one trajectory actor per launch, waits for each ``run()``, follows hibernated ones
+   (waking them itself when a held approval expires, since silence is denial and must be recorded), and
+   samples every trajectory's status snapshot to draw progress and a states-over-time timeline.
+4. ``RunResult.report()`` is the JSON report of issue 3, ``write_timeline_png`` the picture beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
+from actors.status import status_key
+from cluster.embedded import redis_url_from_env, tether_home
+from cluster.workload import ToolSource, TrajectorySpec, Workload
+from runtime.states import TrajectoryState
+
+__all__ = [
+    "RunOptions",
+    "RunResult",
+    "Services",
+    "TrajectoryResult",
+    "plan_launches",
+    "run_driver",
+    "write_timeline_png",
+]
+
+_STATE_ORDER = [s.value for s in TrajectoryState]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How ``tether run`` runs: the cluster, the report, and local-cluster sizing."""
+
+    address: str | None = None  # None: start a local Ray
+    report: Path | None = None
+    prewarm: int = 0  # worker processes started before the actors (local Ray)
+    dashboard: bool = False
+    num_cpus: int = 2
+    run_id: str | None = None  # None: a fresh id (a repeated id resumes that run's trajectories)
+    poll_s: float = 0.25
+
+
+@dataclass(frozen=True)
+class TrajectoryResult:
+    """One trajectory as the run ended it."""
+
+    id: str
+    name: str  # the id in the workload file
+    priority_class: str
+    state: str
+    exit_reason: str | None
+    turns: int
+    tokens: int
+    dollars: float
+    binding_dimension: str | None
+    expected_state: str | None = None
+    error: str | None = None
+
+    @property
+    def as_expected(self) -> bool:
+        return self.error is None and (self.expected_state is None or self.state == self.expected_state)
+
+    def row(self) -> dict[str, Any]:
+        """The report's per-trajectory entry (issue 3)."""
+        return {
+            "id": self.id,
+            "state": self.state,
+            "exit_reason": self.exit_reason,
+            "turns": self.turns,
+            "tokens": self.tokens,
+            "dollars": self.dollars,
+            "binding_dimension": self.binding_dimension,
+        }
+
+
+@dataclass
+class RunResult:
+    results: list[TrajectoryResult]
+    provider: dict[str, int | None] = field(default_factory=lambda: {"requests": None, "rate_limited": None})
+    timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def unexpected(self) -> list[TrajectoryResult]:
+        return [r for r in self.results if not r.as_expected]
+
+    def report(self) -> dict[str, Any]:
+        """``{"summary": {...}, "trajectories": [...], "provider": {...}}`` exactly as issue 3 specifies."""
+        states = Counter(r.state for r in self.results)
+        reasons = Counter(r.exit_reason for r in self.results if r.exit_reason is not None)
+        return {
+            "summary": {
+                "states": dict(sorted(states.items())),
+                "exit_reasons": dict(sorted(reasons.items())),
+                "tokens": sum(r.tokens for r in self.results),
+                "dollars": round(sum(r.dollars for r in self.results), 6),
+            },
+            "trajectories": [r.row() for r in self.results],
+            "provider": dict(self.provider),
+        }
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def plan_launches(
+    workload: Workload,
+    *,
+    run_id: str,
+    redis_url: str,
+    base_url: str,
+    testbed_address: str | None,
+    created_at: float,
+    keyring_path: str | None = None,
+) -> list[tuple[TrajectorySpec, TrajectoryLaunch]]:
+    """A launch per trajectory (``count`` templates expanded); ids are ``<run_id>.<id in the file>``."""
+    provider = ProviderLaunch(
+        base_url=base_url,
+        model=workload.provider.model,
+        api_key_env=workload.provider.api_key_env,
+        input_per_mtok=workload.provider.prices.input_per_mtok,
+        cached_input_per_mtok=workload.provider.prices.cached_input_per_mtok,
+        output_per_mtok=workload.provider.prices.output_per_mtok,
+    )
+    routes: dict[str, str] = {}
+    local: list[str] = []
+    for tool in workload.tools:
+        if tool.source == ToolSource.BUILTIN:
+            local.append(tool.name)
+        elif tool.source == ToolSource.GRPC:
+            assert tool.address is not None  # the schema requires it
+            routes[tool.name] = tool.address
+        else:
+            if testbed_address is None:
+                raise ValueError("testbed tools declared but no testbed address given")
+            routes[tool.name] = testbed_address
+    retry = RetryLaunch(**workload.retry.model_dump())
+    planned = []
+    for spec in workload.expanded():
+        check = spec.completion_check
+        params: dict[str, Any] = {"count": check.count}
+        if check.tool is not None:
+            params["tool"] = check.tool
+        budget = spec.budget.model_dump()
+        launch = TrajectoryLaunch(
+            trajectory_id=f"{run_id}.{spec.id}",
+            tenant=spec.tenant,
+            goal=spec.goal,
+            priority_class=spec.priority_class,
+            ceilings={k: float(v) for k, v in budget.items()},
+            grants=spec.grants,
+            max_tokens=spec.max_tokens,
+            call_deadline_s=spec.call_deadline_s,
+            deadline_s=spec.deadline_s,
+            created_at=created_at,
+            completion_check=CheckLaunch(name=check.kind, params=params),
+            metadata={"scenario": spec.scenario},
+            provider=provider,
+            redis_url=redis_url,
+            # every trajectory routes every declared tool; its grants decide what it may call
+            tool_routes=routes,
+            local_tools=tuple(local),
+            use_scheduler=workload.scheduler,
+            guard=workload.guard,
+            retry=retry,
+            keyring_path=keyring_path,
+            approval_timeout_s=workload.approval_timeout_s,
+            tool_timeout_s=workload.tool_timeout_s,
+            hibernate_after_s=workload.hibernate_after_s,
+        )
+        planned.append((spec, launch))
+    return planned
+
+
+def new_run_id(now: float) -> str:
+    """A short, sortable id for one run (seconds resolution plus the pid against same-second runs)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{os.getpid() % 10000:04d}"
+
+
+# --------------------------------------------------------------------------- services
+
+
+class Services:
+    """Everything a run needs, started in order and stopped in reverse (an ``ExitStack`` underneath)."""
+
+    def __init__(self, workload: Workload, options: RunOptions, log_dir: Path | None = None) -> None:
+        self.workload = workload
+        self.options = options
+        self.log_dir = log_dir or tether_home() / "logs"
+        self.redis_url = ""
+        self.base_url = workload.provider.base_url or ""
+        self.testbed_address: str | None = None
+        self.provider: Any = None  # testbed ProviderProcess when simulated
+        # Handles of the actors we created: a non-detached actor lives as long as its creator holds one.
+        self.actor_handles: list[Any] = []
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Services:
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _start(self) -> None:
+        from cluster.redis_server import free_port
+        from testbed.provider import ProviderConfig, start_provider_subprocess
+        from testbed.tools import TestbedProcess
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_url = redis_url_from_env()
+        wl = self.workload
+        if wl.provider.kind == "simulated":
+            config = ProviderConfig(
+                rpm=wl.provider.limits.rpm,
+                tpm=wl.provider.limits.tpm,
+                ttft_ms=wl.provider.latency.ttft_ms,
+                tokens_per_s=wl.provider.latency.tokens_per_s,
+                models=(wl.provider.model,),
+            )
+            self.provider = start_provider_subprocess(config, log_path=self.log_dir / "provider.log")
+            self._stack.callback(self.provider.stop)
+            self.base_url = self.provider.base_url
+        if any(t.source == ToolSource.TESTBED for t in wl.tools):
+            testbed = TestbedProcess(free_port()).start()
+            self._stack.callback(testbed.stop)
+            self.testbed_address = testbed.address
+        self._start_ray()
+        if wl.scheduler:
+            self._start_scheduler()
+        if wl.guard == "actor":
+            self._start_guards()
+
+    def _start_ray(self) -> None:
+        import ray
+
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        if ray.is_initialized():
+            return  # someone else's Ray (tests): not ours to stop
+        if self.options.address:
+            ray.init(address=self.options.address, namespace="tether", logging_level=logging.WARNING)
+        else:
+            ray.init(
+                num_cpus=self.options.num_cpus,
+                include_dashboard=self.options.dashboard,
+                namespace="tether",
+                object_store_memory=100 * 1024 * 1024,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+                resources={"tether_trajectory": 10_000},
+            )
+        self._stack.callback(ray.shutdown)
+
+    def _start_scheduler(self) -> None:
+        from scheduler.actor import SchedulerHandle
+        from scheduler.config import ProviderLimits, SchedulerConfig
+
+        p = self.workload.provider
+        key = f"{self.base_url}|{p.model}"
+        limits = ProviderLimits(
+            tokens_per_minute=p.limits.tpm, requests_per_minute=p.limits.rpm, headroom=p.headroom
+        )
+        scheduler = SchedulerHandle.connect(
+            SchedulerConfig(providers={key: limits}, class_weights=dict(self.workload.classes))
+        )
+        self.actor_handles.append(scheduler.actor)
+
+    def _start_guards(self) -> None:
+        """Create the guard actor of every shared dependency scope from the driver, which then owns them
+        (an actor is owned by its creator: a guard created by a trajectory actor would die with it)."""
+        from actors.wiring import testbed_contracts
+        from breakers.guard import GuardHandle
+
+        declared = {t.name for t in self.workload.tools if t.source != ToolSource.BUILTIN}
+        scopes = sorted({c.dependency_scope for c in testbed_contracts() if c.name in declared})
+        handle = GuardHandle()
+        self.actor_handles.extend(handle.actor(scope) for scope in scopes)
+
+    def provider_counts(self) -> dict[str, int | None]:
+        """Requests and 429s as the simulated provider counted them (None for a real provider)."""
+        if self.provider is None:
+            return {"requests": None, "rate_limited": None}
+        stats = self.provider.stats()
+        return {"requests": int(stats["requests"]), "rate_limited": int(stats["rate_limited"])}
+
+
+def prewarm_workers(count: int) -> None:
+    """Start ``count`` worker processes (importing the actor code) before the actors need them."""
+    import ray
+
+    if count <= 0:
+        return
+
+    def warm() -> int:
+        import actors.trajectory  # noqa: F401 - the import is the warm-up
+
+        time.sleep(0.5)  # hold the worker so the next warm-up starts another one
+        return os.getpid()
+
+    remote = ray.remote(num_cpus=0)(warm)
+    ray.get([remote.remote() for _ in range(count)])
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+Progress = Callable[[dict[str, int], int], None]  # (state counts, total)
+
+
+class Driver:
+    """Creates the actors, waits for every trajectory, samples their status for progress and timeline."""
+
+    def __init__(self, launches: Sequence[tuple[TrajectorySpec, TrajectoryLaunch]], redis_url: str) -> None:
+        self.launches = list(launches)
+        self.redis_url = redis_url
+        self.timeline: list[tuple[float, dict[str, int]]] = []
+        self.poll_s = 0.25
+        self.handles: dict[str, Any] = {}
+
+    async def run(self, on_progress: Progress | None = None) -> list[TrajectoryResult]:
+        client = aioredis.Redis.from_url(self.redis_url, socket_timeout=10.0)
+        started = time.monotonic()
+        sampler = asyncio.ensure_future(self._sample(client, started, on_progress))
+        try:
+            results = await asyncio.gather(
+                *(self._follow(spec, launch, client) for spec, launch in self.launches)
+            )
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+        await self._sample_once(client, started, on_progress)
+        await client.aclose()
+        return list(results)
+
+    async def _follow(
+        self, spec: TrajectorySpec, launch: TrajectoryLaunch, client: aioredis.Redis
+    ) -> TrajectoryResult:
+        import ray.exceptions
+
+        from actors.trajectory import ensure_actor
+
+        handle = ensure_actor(launch)
+        self.handles[launch.trajectory_id] = handle  # kept until the run ends: the actor lives as long
+        error: str | None = None
+        summary: dict[str, Any] = {}
+        while True:
+            try:
+                summary = await handle.run.remote()
+            except ray.exceptions.RayActorError as e:
+                status = await self._status(client, launch.trajectory_id)
+                if status.get("hibernated") != "1":
+                    error = f"actor died: {e}"
+                    break
+                summary = {"hibernated": True}
+            except ray.exceptions.RayTaskError as e:
+                error = f"{type(e.cause).__name__}: {e.cause}"
+                break
+            if not summary.get("hibernated"):
+                break
+            await self._until_woken(client, launch.trajectory_id)
+            handle = self.handles[launch.trajectory_id] = ensure_actor(launch)
+        if error is not None:
+            status = await self._status(client, launch.trajectory_id)
+            summary = {
+                "state": status.get("state", "UNKNOWN"),
+                "exit_reason": status.get("exit_reason") or None,
+                "turns": int(status.get("turns", 0)),
+                "tokens": int(status.get("tokens", 0)),
+                "dollars": float(status.get("dollars", 0.0)),
+                "binding_dimension": status.get("binding_dimension") or None,
+            }
+        return TrajectoryResult(
+            id=launch.trajectory_id,
+            name=spec.id,
+            priority_class=spec.priority_class,
+            state=str(summary["state"]),
+            exit_reason=summary.get("exit_reason"),
+            turns=int(summary["turns"]),
+            tokens=int(summary["tokens"]),
+            dollars=float(summary["dollars"]),
+            binding_dimension=summary.get("binding_dimension"),
+            expected_state=spec.expected_state,
+            error=error,
+        )
+
+    async def _until_woken(self, client: aioredis.Redis, trajectory_id: str) -> None:
+        """Wait while the trajectory hibernates; wake it ourselves when its held approval expires."""
+        while True:
+            status = await self._status(client, trajectory_id)
+            if status.get("hibernated") != "1":
+                return  # a relay woke it (a control message arrived)
+            expires = status.get("held_expires_at")
+            if expires and time.time() >= float(expires):
+                return  # the expiry must be recorded: re-create the actor and let it refuse the call
+            await asyncio.sleep(self.poll_s)
+
+    @staticmethod
+    async def _status(client: aioredis.Redis, trajectory_id: str) -> dict[str, str]:
+        raw = await client.hgetall(status_key(trajectory_id))
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    async def _sample(self, client: aioredis.Redis, started: float, on_progress: Progress | None) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # progress is a view: a failed sample is skipped
+                await self._sample_once(client, started, on_progress)
+            await asyncio.sleep(self.poll_s)
+
+    async def _sample_once(
+        self, client: aioredis.Redis, started: float, on_progress: Progress | None
+    ) -> None:
+        pipe = client.pipeline(transaction=False)
+        for _, launch in self.launches:
+            pipe.hget(status_key(launch.trajectory_id), "state")
+        states = await pipe.execute()
+        counts = Counter((s.decode() if s else "STARTING") for s in states)
+        self.timeline.append((time.monotonic() - started, dict(counts)))
+        if on_progress is not None:
+            on_progress(dict(counts), len(self.launches))
+
+
+def run_driver(
+    workload: Workload,
+    services: Services,
+    options: RunOptions,
+    on_progress: Progress | None = None,
+) -> RunResult:
+    """Plan, store and run every trajectory on the started services; returns the results."""
+    now = time.time()
+    planned = plan_launches(
+        workload,
+        run_id=options.run_id or new_run_id(now),
+        redis_url=services.redis_url,
+        base_url=services.base_url,
+        testbed_address=services.testbed_address,
+        created_at=now,
+    )
+    for _, launch in planned:
+        save_launch(services.redis_url, launch)
+    if options.address is None:
+        prewarm_workers(options.prewarm)
+    driver = Driver(planned, services.redis_url)
+    driver.poll_s = options.poll_s
+    started = time.monotonic()
+    results = asyncio.run(driver.run(on_progress))
+    return RunResult(
+        results=results,
+        provider=services.provider_counts(),
+        timeline=driver.timeline,
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# --------------------------------------------------------------------------- the picture
+
+
+def write_timeline_png(result: RunResult, path: Path, title: str) -> Path:
+    """Stacked areas of trajectories per state over the run's time (one sample per driver poll)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = [t for t, _ in result.timeline]
+    seen = {s for _, counts in result.timeline for s in counts}
+    order = [s for s in ["STARTING", *_STATE_ORDER] if s in seen]
+    series = [[counts.get(s, 0) for _, counts in result.timeline] for s in order]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    if times:
+        ax.stackplot(times, series, labels=order, step="post")
+    ax.set_xlabel("seconds since the actors were created")
+    ax.set_ylabel("trajectories")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
