@@ -3,7 +3,7 @@
 Six states are live and three terminal. ``LEGAL_TRANSITIONS`` is exactly the chapter's ``LEGAL`` set: the
 nine listed pairs, every live state to FINALIZING, and FINALIZING to each terminal state. Nothing else is
 legal, so a terminal state has no way out (invariant 4) and a live state reaches a terminal state only
-through FINALIZING (invariant 3). The guards that sit on top of legality live in ``runtime.fold``.
+through FINALIZING (invariant 3). The guards that sit on top of legality live in ``runtime.transitions``.
 """
 
 from __future__ import annotations
