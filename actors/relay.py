@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -359,11 +360,17 @@ class RayTrajectoryDirectory:
 
     ``load_launch`` / ``ensure_actor`` come from ``actors.trajectory``; they are passed in so this module
     does not import the trajectory actor (and tests can stand in for it).
+
+    An actor that is exiting to hibernate refuses deliveries ("deliver again"); its name stays taken until
+    the process is gone. The directory then re-looks the name up for up to ``wake_wait_s`` and delivers to
+    the re-created actor, so waking a trajectory does not wait for a whole ``XAUTOCLAIM`` round.
     """
 
     load_launch: LaunchLoader
     ensure_actor: ActorFactory
     namespace: str = NAMESPACE
+    wake_wait_s: float = 5.0
+    retry_every_s: float = 0.05
     woken: int = 0
 
     def _lookup(self, trajectory_id: str) -> Any | None:
@@ -377,7 +384,8 @@ class RayTrajectoryDirectory:
     async def deliver(self, trajectory_id: str, data: bytes) -> str:
         import ray.exceptions
 
-        for attempt in range(2):
+        deadline = time.monotonic() + self.wake_wait_s
+        while True:
             handle = self._lookup(trajectory_id)
             woke = False
             if handle is None:
@@ -388,17 +396,20 @@ class RayTrajectoryDirectory:
                 woke = True
             try:
                 answer = str(await handle.deliver.remote(data))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                # Died between lookup and call (e.g. it was exiting to hibernate): look again once.
-                if attempt == 0:
-                    continue
-                raise TargetGone(f"traj:{trajectory_id} died during delivery: {e}", scope="trajectory") from e
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                # died between lookup and call, or exiting to hibernate: look again until the wait is over
+                if time.monotonic() >= deadline:
+                    raise TargetGone(
+                        f"traj:{trajectory_id} did not take the message: {e}", scope="trajectory"
+                    ) from e
+                await asyncio.sleep(self.retry_every_s)
+                continue
             if woke:
                 self.woken += 1
-                # Fire and forget: run() lasts as long as the trajectory; the actor owns it from here.
+                # Fire and forget: run() lasts as long as the trajectory (a recorded message already restarts
+                # the loop; this covers a woken actor whose message was a duplicate).
                 handle.run.remote()
             return answer
-        raise TargetGone(f"traj:{trajectory_id} could not be reached", scope="trajectory")
 
 
 def _default_directory(redis_url: str) -> RayTrajectoryDirectory:
@@ -406,15 +417,10 @@ def _default_directory(redis_url: str) -> RayTrajectoryDirectory:
     trajectory = importlib.import_module("actors.trajectory")
 
     async def load(trajectory_id: str) -> Any | None:
-        return await _maybe_await(trajectory.load_launch(redis_url, trajectory_id))
+        # load_launch is a blocking Redis GET: keep it off the relay's event loop
+        return await asyncio.to_thread(trajectory.load_launch, redis_url, trajectory_id)
 
     return RayTrajectoryDirectory(load_launch=load, ensure_actor=trajectory.ensure_actor)
-
-
-async def _maybe_await(value: Any) -> Any:
-    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-        return await value
-    return value
 
 
 class RelayActor:

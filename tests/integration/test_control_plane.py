@@ -1,0 +1,449 @@
+"""The control plane end to end on a real Redis and a local Ray: operator client -> ``tether:control`` ->
+relay actor -> trajectory actor, judged by the trajectory's durable log (the record) and the simulated
+provider's own counters.
+
+Covers issue 4's tests: pause at a boundary then resume; cancel mid-stream (the partial reply is never
+dispatched and its tokens are charged); kill while a sandboxed process runs; forged, unknown-issuer,
+wrong-role, expired and replayed messages rejected and audited; stale-digest and expired approvals refused
+with a REFUSED observation; hibernation woken by resume and by approve with budgets intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import ray
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from actors.launch import CheckLaunch, ProviderLaunch
+from actors.relay import start_relays, stop_relays
+from actors.trajectory import TrajectoryLaunch, ensure_actor, save_launch
+from cluster.control import ControlAction, ControlMessage, ControlStream
+from cluster.control_client import ControlClient, TrajectoryStatus
+from cluster.log_store import RedisLogStore
+from cluster.signing import Role, create_key, sign
+from runtime.budget import Dimension
+from runtime.codec import decode
+from runtime.events import (
+    ApprovalDecided,
+    ControlApplied,
+    ControlRejected,
+    ControlRequested,
+    Event,
+    ModelCallCancelled,
+    ModelCallSettled,
+    ObservationAppended,
+    ObservationKind,
+    StateChanged,
+    ToolDispatchIntent,
+    TrajectoryCreated,
+)
+from runtime.fold import fold
+from runtime.record import TrajectoryRecord
+from runtime.states import TrajectoryState
+from testbed.provider.config import ProviderConfig
+from testbed.provider.launch import ProviderThread, start_provider_thread
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+
+S = TrajectoryState
+T = TypeVar("T")
+RELAY_CONFIG = {"claim_idle_ms": 1_000, "claim_every_s": 0.2, "block_ms": 100}
+
+
+# --------------------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def provider() -> Iterator[ProviderThread]:
+    with start_provider_thread(ProviderConfig()) as p:
+        yield p
+
+
+@dataclass
+class Keys:
+    """A keyring with alice (operator), sam (secops), bot (policy), plus a key nobody registered."""
+
+    path: Path
+    stranger: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Keys:
+    path = tmp_path / "keyring.yaml"
+    create_key("alice", [Role.OPERATOR], path)
+    create_key("sam", [Role.SECOPS], path)
+    create_key("bot", [Role.POLICY], path)
+    return Keys(path)
+
+
+async def eventually(probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 30.0) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Plane:
+    """One test's control plane: Redis, relays, the operator client, and the trajectories it launched."""
+
+    url: str
+    keys: Keys
+    provider: ProviderThread
+    client: ControlClient
+    relays: list[Any]
+    launched: list[str] = field(default_factory=list)
+    runs: dict[str, Any] = field(default_factory=dict)
+
+    def launch(self, scenario: str, **overrides: Any) -> str:
+        """Save a launch record and start its actor's run(); returns the trajectory id."""
+        tid = f"t-{uuid.uuid4().hex[:10]}"
+        fields: dict[str, Any] = {
+            "trajectory_id": tid,
+            "goal": "exercise the control plane",
+            "ceilings": {"tokens": 200_000},
+            "grants": ("sleep",),
+            "local_tools": ("sleep",),
+            "created_at": time.time(),
+            "metadata": {"scenario": scenario},
+            "provider": ProviderLaunch(base_url=self.provider.base_url, model="sim"),
+            "redis_url": self.url,
+            "use_scheduler": False,
+            "guard": "local",
+            "keyring_path": str(self.keys.path),
+            "completion_check": CheckLaunch(name="always"),
+            **overrides,
+        }
+        launch = TrajectoryLaunch(**fields)
+        save_launch(self.url, launch)
+        self.runs[tid] = ensure_actor(launch).run.remote()
+        self.launched.append(tid)
+        return tid
+
+    async def events(self, tid: str) -> list[Event]:
+        async with RedisLogStore.from_url(self.url) as store:
+            return [decode(payload) for _, payload in await store.read(tid)]
+
+    async def record(self, tid: str) -> TrajectoryRecord:
+        return fold(await self.events(tid))
+
+    async def state(self, tid: str, *states: TrajectoryState, timeout_s: float = 30.0) -> TrajectoryRecord:
+        """Wait until the record (the folded log, not a view) is in one of ``states``."""
+
+        async def probe() -> TrajectoryRecord | None:
+            rec = await self.record(tid)
+            return rec if rec.state in states else None
+
+        return await eventually(probe, f"{tid} in {[s.value for s in states]}", timeout_s)
+
+    async def status(
+        self, tid: str, check: Callable[[TrajectoryStatus], bool], what: str
+    ) -> TrajectoryStatus:
+        async def probe() -> TrajectoryStatus | None:
+            s = await self.client.status(tid)
+            return s if s is not None and check(s) else None
+
+        return await eventually(probe, what)
+
+    async def finished(self, tid: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The run() summary of a trajectory that ran to its end."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.runs[tid].future()), timeout_s)
+
+    async def audit_reasons(self, tid: str) -> list[str]:
+        return [a.reason for a in await self.client.audit(count=1000) if a.trajectory_id == tid]
+
+    def actor_alive(self, tid: str) -> bool:
+        try:
+            ray.get_actor(f"traj:{tid}", namespace="tether")
+        except ValueError:
+            return False
+        return True
+
+
+@pytest.fixture
+async def plane(redis_url: str, keys: Keys, provider: ProviderThread) -> AsyncIterator[Plane]:
+    provider.reset()
+    provider.configure(tokens_per_s=0.0, ttft_ms=0.0)
+    relays = start_relays(redis_url, 2, config=RELAY_CONFIG)
+    client = ControlClient.from_url(redis_url, keyring=keys.path)
+    p = Plane(redis_url, keys, provider, client, relays)
+    try:
+        yield p
+    finally:
+        stop_relays(relays)
+        for tid in p.launched:
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(f"traj:{tid}", namespace="tether"), no_restart=True)
+        await client.close()
+
+
+def kinds(events: list[Event], *types: type) -> list[Any]:
+    return [e for e in events if isinstance(e, types)]
+
+
+# --------------------------------------------------------------------------- boundary control
+
+
+async def test_pause_takes_effect_at_a_boundary_and_resume_continues_to_completion(plane: Plane) -> None:
+    # Given a trajectory that takes several tool turns
+    tid = plane.launch("finish_after:3")
+    await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
+
+    # When an operator pauses it
+    sent = await plane.client.pause(tid, issuer="alice", reason="maintenance window")
+    paused = await plane.state(tid, S.PAUSED)
+
+    # Then the request was recorded, applied, and the trajectory entered PAUSED from READY (a boundary)
+    events = await plane.events(tid)
+    requested = kinds(events, ControlRequested)
+    assert [(r.message_id, r.action.value, r.issuer) for r in requested] == [
+        (sent.message.message_id, "pause", "alice")
+    ]
+    assert sent.message.message_id in {a.message_id for a in kinds(events, ControlApplied)}
+    entered = [e for e in kinds(events, StateChanged) if e.to_state is S.PAUSED]
+    assert [(e.from_state, e.to_state) for e in entered] == [(S.READY, S.PAUSED)]
+    assert paused.pending_control == ()
+
+    # And when it is resumed, it carries on from where it stopped and completes
+    await plane.client.resume(tid, issuer="alice")
+    summary = await plane.finished(tid)
+    final = await plane.record(tid)
+    assert summary["state"] == "COMPLETED" and final.state is S.COMPLETED
+    assert final.turn_count > paused.turn_count
+    resumed = [e for e in kinds(await plane.events(tid), StateChanged) if e.from_state is S.PAUSED]
+    assert [(e.from_state, e.to_state) for e in resumed] == [(S.PAUSED, S.READY)]
+
+
+async def test_cancel_mid_stream_discards_the_partial_reply_and_charges_its_tokens(plane: Plane) -> None:
+    # Given a model that streams a tool call slowly (5 tokens/s)
+    plane.provider.configure(tokens_per_s=5.0)
+    tid = plane.launch("finish_after:1")
+
+    async def streaming() -> bool:
+        stats = plane.provider.stats()
+        return bool(stats["in_flight"] >= 1 and stats["trajectories"].get(tid, {}).get("accepted", 0) >= 1)
+
+    await eventually(streaming, "the model call to be streaming")
+    await asyncio.sleep(0.6)  # let a few tokens out so there is a partial reply to discard and bill
+
+    # When an operator cancels it
+    await plane.client.cancel(tid, issuer="alice", reason="wrong task")
+    summary = await plane.finished(tid)
+
+    # Then the stream was aborted and the trajectory ended CANCELED through FINALIZING
+    events = await plane.events(tid)
+    assert summary["state"] == "CANCELED"
+    cancelled = kinds(events, ModelCallCancelled)
+    assert len(cancelled) == 1
+    # the partial reply was never parsed into a tool call, never dispatched, never shown as an assistant turn
+    assert kinds(events, ToolDispatchIntent) == []
+    assert [e for e in kinds(events, ObservationAppended) if e.observation is ObservationKind.ASSISTANT] == []
+    # and what was streamed is charged: the record bills output tokens, the provider billed an aborted call
+    billed = plane.provider.stats()["trajectories"][tid]
+    charged = cancelled[0].usage
+    assert billed["aborted"] == 1 and billed["completion_tokens"] >= 1
+    assert 1 <= charged.output <= billed["completion_tokens"]
+    final = await plane.record(tid)
+    assert final.spend.get(Dimension.TOKENS) >= charged.total
+    assert [e.to_state for e in kinds(events, StateChanged)][-2:] == [S.FINALIZING, S.CANCELED]
+
+
+# --------------------------------------------------------------------------- security
+
+
+def forge(client: ControlClient, tid: str, keys: Keys, how: str) -> ControlMessage:
+    """A message that must be refused, and why (``how`` is the expected reason code)."""
+    now = time.time()
+    if how == "BAD_SIGNATURE":
+        good = client.build(tid, ControlAction.KILL, issuer="alice", reason="legit")
+        # same signature, edited reason: the signature no longer covers the content
+        return good.model_copy(update={"reason": "forged"})
+    if how == "UNKNOWN_ISSUER":
+        m = ControlMessage.create(tid, ControlAction.KILL, "mallory", now=now)
+        return sign(m, "mallory", keys.stranger)
+    if how == "WRONG_ROLE":
+        return client.build(tid, ControlAction.KILL, issuer="bot", reason="a policy may not kill")
+    if how == "EXPIRED":
+        m = ControlMessage.create(tid, ControlAction.KILL, "alice", now=now - 120.0, ttl_s=60.0)
+        return sign(m, "alice", client._key("alice"))
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["BAD_SIGNATURE", "UNKNOWN_ISSUER", "WRONG_ROLE", "EXPIRED", "REPLAYED"])
+async def test_bad_messages_are_rejected_audited_and_change_nothing_else(plane: Plane, how: str) -> None:
+    # Given a paused trajectory (nothing else will change its record)
+    tid = plane.launch("finish_after:5")
+    await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
+    await plane.client.pause(tid, issuer="alice")
+    await plane.state(tid, S.PAUSED)
+    before = await plane.events(tid)
+    if how == "REPLAYED":
+        # a validly signed message that reuses the nonce of one already accepted (pause above)
+        first = next(e for e in kinds(before, ControlRequested))
+        accepted_nonce = await _nonce_of(plane, first.message_id)
+        m = ControlMessage.create(tid, ControlAction.KILL, "alice", now=time.time())
+        bad = sign(m.model_copy(update={"nonce": accepted_nonce}), "alice", plane.client._key("alice"))
+    else:
+        bad = forge(plane.client, tid, plane.keys, how)
+
+    # When it is published straight onto the stream (bypassing the client's own checks)
+    async with ControlStream.from_url(plane.url) as stream:
+        await stream.publish(bad)
+
+    # Then the relay audited the actor's refusal with that reason on tether:audit ...
+    assert await eventually(lambda: plane.audit_reasons(tid), "the relay audit") == [f"REJECTED:{how}"]
+    # ... and the only change to the record is the audit entry in the trajectory's own log
+    after = await plane.events(tid)
+    assert after[: len(before)] == before
+    added = after[len(before) :]
+    assert added == [ControlRejected(bad.message_id, how, added[0].detail)]  # type: ignore[union-attr]
+    rec = fold(after)
+    assert rec.state is S.PAUSED and rec.pending_control == () and rec.spend == fold(before).spend
+
+
+async def _nonce_of(plane: Plane, message_id: str) -> str:
+    """The nonce of an accepted message, read back from the control stream."""
+    async with ControlStream.from_url(plane.url) as stream:
+        raw: Any = await stream._client.xrange(stream.stream)
+    from cluster.control import decode_message
+
+    for _, fields in raw:
+        m = decode_message(fields[b"m"])
+        if m.message_id == message_id:
+            return m.nonce
+    raise AssertionError(f"message {message_id} not on the stream")
+
+
+async def test_an_exact_replay_is_a_duplicate_and_changes_nothing(plane: Plane) -> None:
+    # Given an accepted pause
+    tid = plane.launch("finish_after:5")
+    await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
+    sent = await plane.client.pause(tid, issuer="alice")
+    await plane.state(tid, S.PAUSED)
+    before = await plane.events(tid)
+
+    # When the very same signed message is published again
+    async with ControlStream.from_url(plane.url) as stream:
+        await stream.publish(sent.message)
+        await eventually(lambda: _acked_all(stream), "the relays to ack the replay")
+
+    # Then the record did not change at all (idempotent by message id), and nothing was audited
+    assert await plane.events(tid) == before
+    assert await plane.audit_reasons(tid) == []
+
+
+async def _acked_all(stream: ControlStream) -> bool:
+    info = await stream._client.xinfo_groups(stream.stream)
+    return all(g["pending"] == 0 and g["lag"] == 0 for g in info)
+
+
+# --------------------------------------------------------------------------- approvals
+
+
+def approval_launch(**overrides: Any) -> dict[str, Any]:
+    return {"approval_required": ("sleep",), "approval_timeout_s": 60.0, **overrides}
+
+
+async def test_an_approval_for_a_stale_digest_is_refused_and_the_model_sees_refused(plane: Plane) -> None:
+    # Given a trajectory holding a sleep call for approval
+    tid = plane.launch("irreversible:sleep", **approval_launch())
+    held = await plane.status(tid, lambda s: s.held is not None, "a held call")
+    assert held.held is not None
+
+    # When an operator approves a different digest (the call changed since they looked)
+    await plane.client.approve(tid, issuer="alice", call_digest="0" * 64)
+    summary = await plane.finished(tid)
+
+    # Then the held call was discarded unexecuted and the model got a structured REFUSED observation
+    events = await plane.events(tid)
+    assert kinds(events, ToolDispatchIntent) == []
+    refusals = [e for e in kinds(events, ObservationAppended) if e.observation is ObservationKind.REFUSAL]
+    assert any('"reason": "STALE_DIGEST"' in e.content and '"status": "REFUSED"' in e.content for e in refusals)
+    assert [d.reason for d in kinds(events, ApprovalDecided)] == ["STALE_DIGEST"]
+    # and the scripted model, once it received that answer, finished (it only stops when it hears back)
+    assert summary["state"] == "COMPLETED"
+
+
+async def test_an_approval_after_expiry_is_refused_silence_is_denial(plane: Plane) -> None:
+    # Given a held call whose approval window is 1.5 s
+    tid = plane.launch("irreversible:sleep", **approval_launch(approval_timeout_s=1.5))
+    held = await plane.status(tid, lambda s: s.held is not None, "a held call")
+    assert held.held is not None
+    digest = held.held.digest
+
+    # When nobody decides in time, and then an approval for that digest arrives late
+    await plane.state(tid, S.READY, S.CALLING_MODEL, S.FINALIZING, S.COMPLETED)
+    await plane.client.approve(tid, issuer="alice", call_digest=digest)
+    summary = await plane.finished(tid)
+
+    # Then expiry refused the call (REFUSED / APPROVAL_EXPIRED to the model) and the late approval ran nothing
+    events = await plane.events(tid)
+    assert [d.reason for d in kinds(events, ApprovalDecided)] == ["APPROVAL_EXPIRED"]
+    assert kinds(events, ToolDispatchIntent) == []
+    refusals = [e for e in kinds(events, ObservationAppended) if e.observation is ObservationKind.REFUSAL]
+    assert any('"reason": "APPROVAL_EXPIRED"' in e.content for e in refusals)
+    assert summary["state"] == "COMPLETED"
+
+
+# --------------------------------------------------------------------------- hibernation
+
+
+@pytest.mark.parametrize("wake", ["resume", "approve"])
+async def test_hibernated_trajectory_wakes_on_control_with_budgets_intact(plane: Plane, wake: str) -> None:
+    # Given a trajectory that waits (paused, or holding a call) longer than its hibernation idle time
+    if wake == "resume":
+        tid = plane.launch("finish_after:3", hibernate_after_s=1.0)
+        await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
+        await plane.client.pause(tid, issuer="alice")
+    else:
+        tid = plane.launch("irreversible:sleep", **approval_launch(hibernate_after_s=1.0))
+    asleep = await plane.status(tid, lambda s: s.hibernated, "hibernation")
+    await eventually(lambda: _async(not plane.actor_alive(tid)), "the actor to exit")
+    before_events = await plane.events(tid)
+    before, before_count = fold(before_events), len(before_events)
+    assert before.spend.get(Dimension.TOKENS) > 0
+
+    # When the control message arrives (the relay re-creates the actor from its launch record)
+    if wake == "resume":
+        await plane.client.resume(tid, issuer="alice")
+    else:
+        assert asleep.held is not None
+        await plane.client.approve(tid, issuer="alice", call_digest=asleep.held.digest)
+    woken = await eventually(lambda: _async(plane.actor_alive(tid)), "the actor to be re-created")
+    assert woken
+    final_state = await plane.state(tid, S.COMPLETED, S.FAILED, S.CANCELED, timeout_s=60.0)
+
+    # Then it continued from its log, not from scratch: one creation event, ceilings unchanged, and the spend
+    # is what it had before hibernating plus exactly what was charged after waking
+    events = await plane.events(tid)
+    assert final_state.state is S.COMPLETED
+    assert len(kinds(events, TrajectoryCreated)) == 1
+    assert final_state.ceilings == before.ceilings
+    later = kinds(events[before_count:], ModelCallSettled, ModelCallCancelled)
+    assert later, "no model call after waking"
+    tokens = Dimension.TOKENS
+    assert final_state.spend.get(tokens) == pytest.approx(
+        before.spend.get(tokens) + sum(e.usage.total for e in later)
+    )
+    assert final_state.turn_count > before.turn_count
+    if wake == "approve":
+        assert [d.decision.value for d in kinds(events, ApprovalDecided)] == ["approved"]
+        assert len(kinds(events, ToolDispatchIntent)) == 1
+
+
+async def _async(value: T) -> T:
+    return value
