@@ -1,0 +1,129 @@
+"""``tether run``'s driver on a local Ray: a small workload ends in the states its scripts imply, the report
+has exactly the shape issue 3 specifies, and a bad workload is a clear error (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cluster.cli_run import register
+from cluster.runner import RunOptions, Services, run_driver, write_timeline_png
+from cluster.workload import parse_workload
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+WORKLOAD = """\
+name: small
+provider:
+  kind: simulated
+  model: sim-small
+  limits: {tpm: 100000, rpm: 600}
+  latency: {ttft_ms: 5, tokens_per_s: 5000}
+tools:
+  - {name: run_tests}
+  - {name: send_notification}
+  - {name: noop, source: builtin}
+approval_timeout_s: 2
+guard: actor
+trajectories:
+  - id: fix
+    scenario: "finish_after:2"
+    grants: [run_tests]
+    completion_check: {kind: min_tool_results, count: 2}
+    expected_state: COMPLETED
+  - id: local-tool
+    class: batch
+    scenario: "finish_after:1"
+    grants: [noop]
+    expected_state: COMPLETED
+  - id: unapproved
+    class: interactive
+    scenario: "irreversible:send_notification"
+    grants: [send_notification]
+    completion_check: {kind: tool_succeeded, tool: send_notification}
+    expected_state: FAILED
+  - id: budget
+    scenario: "finish_after:9"
+    grants: [run_tests]
+    budget: {turns: 2}
+    expected_state: FAILED
+"""
+
+
+async def test_small_workload_ends_in_expected_states_with_the_specified_report(
+    ray_local: None, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a workload of four scripted trajectories and a Redis of our own
+    monkeypatch.setenv("TETHER_REDIS_URL", redis_url)
+    monkeypatch.setenv("TETHER_HOME", str(tmp_path / "home"))
+    workload = parse_workload(WORKLOAD, "small.yaml")
+    options = RunOptions(run_id="itest")
+    # When tether run's driver runs it (the provider and the testbed tools start as subprocesses)
+    with Services(workload, options) as services:
+        result = await _run_in_thread(workload, services, options)
+    # Then every trajectory ended as its script implies
+    by_name = {r.name: r for r in result.results}
+    assert {n: (r.state, r.exit_reason) for n, r in by_name.items()} == {
+        "fix": ("COMPLETED", "COMPLETED"),
+        "local-tool": ("COMPLETED", "COMPLETED"),
+        "unapproved": ("FAILED", "COMPLETION_CHECK_FAILED"),
+        "budget": ("FAILED", "BUDGET_EXCEEDED"),
+    }
+    assert not result.unexpected and by_name["budget"].binding_dimension == "turns"
+    # And the report has exactly the specified keys; the provider saw one request per turn, no 429
+    report = json.loads(json.dumps(result.report()))
+    assert set(report) == {"summary", "trajectories", "provider"}
+    assert set(report["summary"]) == {"states", "exit_reasons", "tokens", "dollars"}
+    assert report["summary"]["states"] == {"COMPLETED": 2, "FAILED": 2}
+    keys = {"id", "state", "exit_reason", "turns", "tokens", "dollars", "binding_dimension"}
+    assert all(set(t) == keys for t in report["trajectories"])
+    assert {t["id"] for t in report["trajectories"]} == {f"itest.{n}" for n in by_name}
+    assert report["provider"] == {"requests": sum(r.turns for r in result.results), "rate_limited": 0}
+    assert report["summary"]["tokens"] == sum(r.tokens for r in result.results) > 0
+    # And the timeline picture is written beside the report
+    png = write_timeline_png(result, tmp_path / "report.png", "small")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def _run_in_thread(workload, services, options):  # type: ignore[no-untyped-def]
+    # run_driver owns its event loop (asyncio.run), as in the CLI; keep it off the test's loop
+    import asyncio
+
+    return await asyncio.to_thread(run_driver, workload, services, options)
+
+
+def _cli() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:  # a group, so the command is invoked by name as on the real CLI
+        return None
+
+    register(app)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("trajectories:\n  - id: a\n    scenario: 'teleport:3'\n", "trajectories[0].scenario"),
+        ("tools: [{name: rm_rf}]\ntrajectories: [{id: a}]\n", "testbed tool 'rm_rf' is unknown"),
+        ("trajectories:\n  - id: a\n    grants: [run_tests]\n", "grants names undeclared tools: run_tests"),
+    ],
+)
+def test_bad_workload_exits_2_with_the_message_and_no_traceback(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    # Given a workload file with one mistake
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    # When tether run reads it
+    result = CliRunner().invoke(_cli(), ["run", str(path)])
+    # Then it exits 2 naming the file and the problem, before starting anything
+    assert result.exit_code == 2, result.output
+    assert str(path) in result.output and expected in result.output
+    assert "Traceback" not in result.output
