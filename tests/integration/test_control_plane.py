@@ -141,12 +141,17 @@ class Plane:
     async def record(self, tid: str) -> TrajectoryRecord:
         return fold(await self.events(tid))
 
+    async def record_if_started(self, tid: str) -> TrajectoryRecord | None:
+        """The record, or None while the actor has not written its first event yet."""
+        events = await self.events(tid)
+        return fold(events) if events else None
+
     async def state(self, tid: str, *states: TrajectoryState, timeout_s: float = 30.0) -> TrajectoryRecord:
         """Wait until the record (the folded log, not a view) is in one of ``states``."""
 
         async def probe() -> TrajectoryRecord | None:
-            rec = await self.record(tid)
-            return rec if rec.state in states else None
+            rec = await self.record_if_started(tid)
+            return rec if rec is not None and rec.state in states else None
 
         return await eventually(probe, f"{tid} in {[s.value for s in states]}", timeout_s)
 
@@ -447,3 +452,33 @@ async def test_hibernated_trajectory_wakes_on_control_with_budgets_intact(plane:
 
 async def _async(value: T) -> T:
     return value
+
+
+# --------------------------------------------------------------------------- kill
+
+
+async def test_kill_mid_tool_call_acts_at_once_and_leaves_the_call_in_doubt(plane: Plane) -> None:
+    # Given a trajectory waiting on a dispatched tool call (the second sleep lasts 2 s)
+    tid = plane.launch("finish_after:3")
+
+    async def in_tool() -> TrajectoryRecord | None:
+        rec = await plane.record_if_started(tid)
+        if rec is None or rec.state is not S.WAITING_TOOL or rec.turn_count < 2:
+            return None
+        return rec if rec.pending_calls else None
+
+    waiting = await eventually(in_tool, "a dispatched call in flight")
+    (pending,) = waiting.pending_calls.values()
+
+    # When an operator kills it (kill does not wait for the boundary)
+    await plane.client.kill(tid, issuer="alice", reason="runaway")
+    summary = await plane.finished(tid)
+
+    # Then it went through FINALIZING with reason KILLED, and the unsettled call is in doubt, not failed
+    final = await plane.record(tid)
+    assert summary["exit_reason"] == "KILLED" and final.exit_reason is not None
+    assert final.exit_reason.value == "KILLED" and final.is_terminal
+    op = final.operations[pending.operation_id]
+    assert op.in_doubt and op.owner == tid
+    states = [(e.from_state, e.to_state) for e in kinds(await plane.events(tid), StateChanged)]
+    assert (S.WAITING_TOOL, S.READY) in states[-4:] and states[-2][1] is S.FINALIZING
