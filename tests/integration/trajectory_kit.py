@@ -74,16 +74,17 @@ async def record_of(redis_url: str, trajectory_id: str) -> TrajectoryRecord:
 
 
 async def wait_for_status(
-    redis_url: str, trajectory_id: str, states: set[str], timeout_s: float = 60.0
+    redis_url: str, trajectory_id: str, states: set[str], timeout_s: float = 60.0, min_turns: int = 0
 ) -> dict[str, str]:
-    """Poll the status snapshot until its state is one of ``states`` (used to time a fault, not to assert)."""
+    """Poll the status snapshot until its state is one of ``states`` after at least ``min_turns`` turns
+    (used to time a fault, not to assert)."""
     client = aioredis.Redis.from_url(redis_url)
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             raw = await client.hgetall(status_key(trajectory_id))
             status = {k.decode(): v.decode() for k, v in raw.items()}
-            if status.get("state") in states:
+            if status.get("state") in states and int(status.get("turns", 0)) >= min_turns:
                 return status
             await asyncio.sleep(0.02)
     finally:

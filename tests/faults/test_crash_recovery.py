@@ -1,0 +1,142 @@
+"""Crash recovery: SIGKILL the trajectory actor's worker process mid-model-call and mid-tool-call.
+
+Ray restarts the actor (unlimited restarts) and retries the pending ``run()`` on the new incarnation, which
+folds the durable log and continues. The judges are the folded record (budget and spend carried over, never
+above the ceilings) and the testbed's independent ledger (no effect applied twice).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from runtime.budget import Dimension
+from runtime.events import ModelCallFailed, OperationMarkedInDoubt, OperationSettled, ToolCallCancelled
+from runtime.events import ToolDispatchIntent as Intent
+from runtime.record import TrajectoryRecord
+from testbed.provider import ProviderConfig, ProviderThread, start_provider_thread
+from testbed.tools import Testbed, TestbedClient, start_testbed
+from tests.integration.trajectory_kit import MODEL, events_of, make_launch, record_of, start, wait_for_status
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
+
+CEILINGS = {"turns": 12, "tokens": 20_000, "wall_seconds": 300, "dollars": 0.25}
+MAX_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def slow_provider() -> Iterator[ProviderThread]:
+    # A tool-call reply is ~20 tokens: 0.4 s to the first token, then 40 tokens/s, so ~0.9 s per call.
+    handle = start_provider_thread(ProviderConfig(ttft_ms=400.0, tokens_per_s=40.0, models=(MODEL,)))
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture
+async def slow_testbed() -> AsyncIterator[Testbed]:
+    bed = await start_testbed(0, provision_s=1.5)  # provisioning an environment takes 1.5 s
+    try:
+        yield bed
+    finally:
+        await bed.stop()
+
+
+def assert_within_budget(record: TrajectoryRecord) -> None:
+    for dim, ceiling in CEILINGS.items():
+        assert record.spend.get(dim) <= ceiling, f"{dim}: {record.spend.get(dim)} > {ceiling}"
+
+
+async def _launch_and_kill(
+    name: str,
+    provider: ProviderThread,
+    bed: Testbed,
+    redis_url: str,
+    kill_in: str,
+    min_turns: int,
+) -> tuple[TrajectoryRecord, TrajectoryRecord, dict[str, object], int]:
+    """Run a two-provision trajectory, SIGKILL its worker once it is in ``kill_in``; return the record
+    folded at the kill, the final record, the run summary and the killed pid."""
+    launch = make_launch(
+        name,
+        base_url=provider.base_url,
+        redis_url=redis_url,
+        scenario="finish_after:2",
+        grants=["provision_env"],
+        tool_routes={"provision_env": bed.address, "release_env": bed.address},
+        ceilings=dict(CEILINGS),
+        max_tokens=MAX_TOKENS,
+        tool_timeout_s=20.0,
+    )
+    handle = start(launch)
+    running = handle.run.remote()
+    await wait_for_status(redis_url, name, {kill_in}, min_turns=min_turns)
+    pid = await handle.pid.remote()
+    os.kill(pid, signal.SIGKILL)
+    at_kill = await record_of(redis_url, name)
+    summary = await running  # Ray retries run() on the restarted actor
+    after = await record_of(redis_url, name)
+    assert await handle.pid.remote() != pid  # a new worker process carried on
+    return at_kill, after, summary, pid
+
+
+async def test_sigkill_mid_model_call_recovers_without_resetting_the_budget(
+    ray_local: None, redis_url: str, slow_provider: ProviderThread, slow_testbed: Testbed
+) -> None:
+    # Given a trajectory in its second model call (one environment already provisioned)
+    # When its worker process is killed with SIGKILL
+    at_kill, after, summary, _ = await _launch_and_kill(
+        "crash-model", slow_provider, slow_testbed, redis_url, "CALLING_MODEL", min_turns=2
+    )
+    events = await events_of(redis_url, "crash-model")
+    # Then the restarted actor charged the lost call's reservation and went on to a terminal state
+    lost = [e for e in events if isinstance(e, ModelCallFailed) and "restarted" in e.error]
+    assert len(lost) == 1, "the kill did not land mid-model-call"
+    assert summary["state"] == "COMPLETED" and after.is_terminal
+    # And the budget carried over: spend only grew (by at least the reservation), turns continued
+    assert after.turn_count > at_kill.turn_count >= 2
+    tokens_at_kill = at_kill.spend.get(Dimension.TOKENS)
+    assert after.spend.get(Dimension.TOKENS) >= tokens_at_kill + MAX_TOKENS
+    assert_within_budget(after)
+    # And the testbed applied each provisioning exactly once
+    async with TestbedClient(slow_testbed.address) as client:
+        ledger = await client.ledger()
+    assert not ledger.duplicate_effects()
+    dispatched = {e.effect_key for e in events if isinstance(e, Intent)}
+    assert len(ledger.environments) == len(dispatched) == 2
+
+
+async def test_sigkill_mid_tool_call_never_repeats_the_effect(
+    ray_local: None, redis_url: str, slow_provider: ProviderThread, slow_testbed: Testbed
+) -> None:
+    # Given a trajectory whose provisioning call (1.5 s) is in flight
+    # When its worker process is killed with SIGKILL
+    at_kill, after, summary, _ = await _launch_and_kill(
+        "crash-tool", slow_provider, slow_testbed, redis_url, "WAITING_TOOL", min_turns=1
+    )
+    events = await events_of(redis_url, "crash-tool")
+    # Then the in-flight call became in doubt on restart, and was settled by a probe or left unknown
+    # with an owner -- never dispatched a second time (probe-then-retry only repeats what is absent)
+    cancelled = [e for e in events if isinstance(e, ToolCallCancelled) and "restarted" in e.reason]
+    assert len(cancelled) == 1, "the kill did not land mid-tool-call"
+    in_flight = next(e for e in events if isinstance(e, Intent) and e.call_id == cancelled[0].call_id)
+    resolved = [
+        e
+        for e in events
+        if isinstance(e, OperationSettled | OperationMarkedInDoubt)
+        and e.operation_id == in_flight.operation_id
+    ]
+    attempts = [e for e in events if isinstance(e, Intent) and e.operation_id == in_flight.operation_id]
+    assert resolved and len(attempts) == 1
+    assert summary["state"] == "COMPLETED" and after.turn_count > at_kill.turn_count
+    assert_within_budget(after)
+    # And the testbed's ledger shows no effect applied twice, at most one environment per effect key
+    async with TestbedClient(slow_testbed.address) as client:
+        ledger = await client.ledger()
+    assert not ledger.duplicate_effects()
+    assert len(ledger.environments_for(in_flight.effect_key)) <= 1
+    assert len(ledger.environments) <= len({e.effect_key for e in events if isinstance(e, Intent)})
