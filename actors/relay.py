@@ -237,8 +237,7 @@ class Relay:
             count=self.config.batch,
             block_ms=self.config.block_ms if block else None,
         )
-        for delivery in fresh:
-            await self.handle(delivery)
+        await self.handle_batch(fresh)
         return handled + len(fresh)
 
     async def _claim_pass(self) -> int:
@@ -255,9 +254,22 @@ class Relay:
             # Redis dropped these from the PEL itself; there is nothing to deliver or ack.
             await self._audit(AuditReason.TRIMMED, "pending entry was trimmed before delivery", entry_id)
         self.claimed += len(claimed.deliveries)
-        for delivery in claimed.deliveries:
-            await self.handle(delivery)
+        await self.handle_batch(claimed.deliveries)
         return len(claimed.deliveries)
+
+    async def handle_batch(self, deliveries: list[Delivery]) -> None:
+        """Handle a batch: different trajectories concurrently, one trajectory's messages in stream order
+        (a pause followed by a resume must arrive in that order), each entry acked on its own answer."""
+        lanes: dict[str, list[Delivery]] = {}
+        for d in deliveries:
+            lane = d.message.trajectory_id if d.message is not None else f"(entry {d.entry_id})"
+            lanes.setdefault(lane, []).append(d)
+
+        async def run_lane(lane: list[Delivery]) -> None:
+            for d in lane:
+                await self.handle(d)
+
+        await asyncio.gather(*(run_lane(lane) for lane in lanes.values()))
 
     async def handle(self, delivery: Delivery) -> HandleResult:
         """Deliver one entry; ack unless the actor could not answer."""

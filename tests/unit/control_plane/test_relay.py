@@ -3,11 +3,13 @@ take over a dead relay's entries after the idle timeout, at-least-once with the 
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 
 from actors.relay import AuditReason, HandleResult, Relay, RelayConfig
-from cluster.control import ControlAction, ControlMessage
+from cluster.control import ControlAction, ControlMessage, decode_message
 from runtime.clock import FakeClock
 from tests.unit.control_plane.fakes import FakeAudit, FakeStream, FakeTargets
 
@@ -189,3 +191,33 @@ async def test_the_same_message_on_two_entries_changes_the_record_once(
     assert targets.records["t-1"] == [m.message_id]
     assert r.counts[HandleResult.DELIVERED.value] == 2 and len(stream.acked) == 2
     assert audit.entries == []
+
+
+async def test_trajectories_are_served_concurrently_each_in_stream_order(
+    stream: FakeStream, audit: FakeAudit, clock: FakeClock
+) -> None:
+    # Given t-1's actor answers only once t-2's actor has been reached (a slow actor must not stall others)
+    reached_t2 = asyncio.Event()
+    order: list[tuple[str, str]] = []
+
+    class Gated(FakeTargets):
+        async def deliver(self, trajectory_id: str, data: bytes) -> str:
+            if trajectory_id == "t-1":
+                await reached_t2.wait()
+            else:
+                reached_t2.set()
+            order.append((trajectory_id, decode_message(data).action.value))
+            return "recorded"
+
+    first, second = msg("t-1", ControlAction.PAUSE, 1), msg("t-1", ControlAction.RESUME, 2)
+    for m in (first, msg("t-2", ControlAction.KILL, 3), second):
+        stream.publish(m)
+    r = relay("relay:0", stream, Gated(known={"t-1", "t-2"}), audit, clock)
+    await r.start()
+
+    # When one batch holds messages for both
+    await r.step(block=False)
+
+    # Then t-2 was served while t-1 waited, and t-1's pause still came before its resume
+    assert order == [("t-2", "kill"), ("t-1", "pause"), ("t-1", "resume")]
+    assert r.counts[HandleResult.DELIVERED.value] == 3 and stream.pel == {}

@@ -1,0 +1,323 @@
+"""Control latency with many live trajectories: XADD -> durably recorded, and kill -> trajectory ended.
+
+Setup: one private ``redis-server`` (AOF, ``appendfsync always``), the simulated provider, a local Ray
+(2 CPUs), two relay actors, and N real trajectory actors (``actors.trajectory``), each paused at a turn
+boundary so it is live but idle (hibernation off).
+
+- ``record_ms``: rounds of one signed interrupt to every trajectory, published back to back. For each
+  message, the time from its ``tether:control`` entry to the ``ControlRequested`` entry in the trajectory's
+  log, both read from the Redis stream ids (the same server clock, millisecond resolution): the request is
+  durable when that log entry exists (AOF fsync before the reply).
+- ``kill_ms``: one kill per trajectory, published back to back; time from the kill's stream entry to the
+  terminal ``StateChanged`` in the trajectory's log (the harness awaits the sandbox teardown hook as part of
+  kill; see ``sandbox_teardown_ms`` for what tearing a real process group down costs).
+- ``sandbox_teardown_ms``: ``actors.sandbox.Sandbox.kill_all`` on N real sandboxed ``sleep`` process
+  groups (SIGTERM, SIGKILL after the grace, wait until ``killpg(pgid, 0)`` fails).
+- ``hibernated_bytes``: Redis ``MEMORY USAGE`` summed over one hibernated trajectory's keys (log, launch,
+  status, nonces), for H trajectories paused after a few turns.
+
+    .venv/bin/python -m benchmarks.control_latency [--trajectories 100] [--rounds 5] [--hibernated 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+import redis.asyncio as aioredis
+
+from actors.launch import CheckLaunch, ProviderLaunch
+from actors.relay import start_relays, stop_relays
+from actors.sandbox import Sandbox
+from actors.trajectory import NONCE_KEY_PREFIX, TrajectoryLaunch, ensure_actor, save_launch
+from benchmarks._common import environment, percentile, write_json, write_plot
+from cluster.control import ControlAction
+from cluster.control_client import LAUNCH_PREFIX, ControlClient, status_key
+from cluster.log_store import FIELD, log_key
+from cluster.redis_server import RedisServer
+from cluster.signing import Role, create_key
+from runtime.codec import decode
+from runtime.events import ControlRequested, StateChanged
+from runtime.states import TrajectoryState
+from testbed.provider.config import ProviderConfig
+from testbed.provider.launch import start_provider_thread
+
+NAME = "control_latency"
+_TERMINAL = {TrajectoryState.COMPLETED, TrajectoryState.FAILED, TrajectoryState.CANCELED}
+
+
+def entry_ms(entry_id: bytes | str) -> int:
+    """The server's millisecond timestamp in a stream entry id (``<ms>-<seq>``)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+class Fleet:
+    """N live trajectories plus the operator client and a raw Redis client for reading logs."""
+
+    def __init__(self, url: str, provider_url: str, keyring: Path) -> None:
+        self.url = url
+        self.provider_url = provider_url
+        self.keyring = keyring
+        self.client = ControlClient.from_url(url, keyring=keyring, ttl_s=600.0)
+        self.redis = aioredis.Redis.from_url(url)
+        self.cursors: dict[str, str] = {}
+        self.runs: list[Any] = []
+
+    def launch(self, prefix: str, hibernate_after_s: float | None = None) -> str:
+        tid = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        launch = TrajectoryLaunch(
+            trajectory_id=tid,
+            goal="stay busy until paused",
+            ceilings={"tokens": 10_000_000},
+            grants=("sleep",),
+            local_tools=("sleep",),
+            created_at=time.time(),
+            metadata={"scenario": "finish_after:1000"},
+            provider=ProviderLaunch(base_url=self.provider_url, model="sim"),
+            redis_url=self.url,
+            use_scheduler=False,
+            guard="local",
+            keyring_path=str(self.keyring),
+            completion_check=CheckLaunch(name="always"),
+            hibernate_after_s=hibernate_after_s,
+        )
+        save_launch(self.url, launch)
+        self.runs.append(ensure_actor(launch).run.remote())
+        self.cursors[tid] = "0-0"
+        return tid
+
+    async def wait_status(self, tids: list[str], check: Any, what: str, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        left = set(tids)
+        while left:
+            for tid in list(left):
+                s = await self.client.status(tid)
+                if s is not None and check(s):
+                    left.discard(tid)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(left)} trajectories never reached {what}")
+            await asyncio.sleep(0.1)
+
+    async def new_log_entries(self, tid: str) -> list[tuple[int, Any]]:
+        """Log entries after the last one seen: (server ms, decoded event)."""
+        raw: Any = await self.redis.xrange(log_key(tid), min=f"({self.cursors[tid]}", max="+")
+        out = []
+        for entry_id, fields in raw:
+            self.cursors[tid] = entry_id.decode()
+            out.append((entry_ms(entry_id), decode(fields[FIELD])))
+        return out
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.redis.aclose()
+
+
+async def record_round(fleet: Fleet, tids: list[str], round_no: int) -> list[float]:
+    """One interrupt to every trajectory, back to back; ms from control entry to log entry."""
+    sent: dict[str, tuple[str, int]] = {}
+    for tid in tids:
+        s = await fleet.client.send(
+            tid,
+            ControlAction.INTERRUPT,
+            issuer="operator",
+            payload={"message": f"round {round_no}"},
+            check_known=False,
+        )
+        sent[tid] = (s.message.message_id, entry_ms(s.entry_id))
+    samples: list[float] = []
+    left = dict(sent)
+    deadline = time.monotonic() + 120.0
+    while left:
+        for tid, (message_id, published) in list(left.items()):
+            for at, event in await fleet.new_log_entries(tid):
+                if isinstance(event, ControlRequested) and event.message_id == message_id:
+                    samples.append(float(at - published))
+                    del left[tid]
+                    break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(left)} interrupts never recorded")
+        await asyncio.sleep(0.05)
+    return samples
+
+
+async def kill_all(fleet: Fleet, tids: list[str]) -> list[float]:
+    """One kill per trajectory, back to back; ms from the kill's entry to the terminal state entry."""
+    published: dict[str, int] = {}
+    for tid in tids:
+        s = await fleet.client.send(
+            tid, ControlAction.KILL, issuer="operator", reason="bench", check_known=False
+        )
+        published[tid] = entry_ms(s.entry_id)
+    samples: list[float] = []
+    left = dict(published)
+    deadline = time.monotonic() + 120.0
+    while left:
+        for tid, at_publish in list(left.items()):
+            for at, event in await fleet.new_log_entries(tid):
+                if isinstance(event, StateChanged) and event.to_state in _TERMINAL:
+                    samples.append(float(at - at_publish))
+                    del left[tid]
+                    break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(left)} kills never ended their trajectory")
+        await asyncio.sleep(0.05)
+    return samples
+
+
+async def sandbox_teardown(n: int, root: Path) -> list[float]:
+    """Tear down N real sandboxed process groups (each a shell with a child ``sleep``)."""
+    sandboxes = [Sandbox(f"bench-{i}", root) for i in range(n)]
+    runs = [
+        asyncio.ensure_future(sb.run(["sh", "-c", "sleep 600 & sleep 600"], timeout=120.0))
+        for sb in sandboxes
+    ]
+
+    async def started(sb: Sandbox) -> None:
+        while not sb.live_process_groups:
+            await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(started(sb) for sb in sandboxes))
+    samples = []
+    for sb in sandboxes:
+        groups = set(sb.live_process_groups)
+        t0 = time.perf_counter()
+        await sb.kill_all()
+        elapsed = (time.perf_counter() - t0) * 1000.0
+        assert all(_group_gone(g) for g in groups), "a process group survived kill_all"
+        samples.append(elapsed)
+    for r in runs:
+        with contextlib.suppress(Exception):
+            await r
+    return samples
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def hibernated_bytes(fleet: Fleet, h: int) -> dict[str, Any]:
+    """Pause H trajectories with a short idle time, wait for hibernation, sum MEMORY USAGE of their keys."""
+    tids = [fleet.launch("hib", hibernate_after_s=0.5) for _ in range(h)]
+    await fleet.wait_status(tids, lambda s: s.turns >= 2, "two turns")
+    for tid in tids:
+        await fleet.client.send(tid, ControlAction.PAUSE, issuer="operator", check_known=False)
+    await fleet.wait_status(tids, lambda s: s.hibernated, "hibernation")
+    per: list[int] = []
+    entries: list[int] = []
+    for tid in tids:
+        keys = [log_key(tid), f"{LAUNCH_PREFIX}{tid}", status_key(tid), f"{NONCE_KEY_PREFIX}{tid}"]
+        total = 0
+        for key in keys:
+            total += int(await fleet.redis.memory_usage(key, samples=0) or 0)
+        per.append(total)
+        entries.append(int(await fleet.redis.xlen(log_key(tid))))
+    return {
+        "trajectories": h,
+        "mean": round(sum(per) / len(per)),
+        "min": min(per),
+        "max": max(per),
+        "log_entries_mean": round(sum(entries) / len(entries), 1),
+        "keys": ["tether:log:<id>", "tether:launch:<id>", "tether:status:<id>", "tether:nonces:<id>"],
+    }
+
+
+async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, Any]:
+    server = RedisServer(data_dir=workdir / "redis").start()
+    provider = start_provider_thread(ProviderConfig())
+    keyring = workdir / "keyring.yaml"
+    create_key("operator", [Role.OPERATOR], keyring)
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="tether",
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        resources={"tether_trajectory": 10_000},
+    )
+    relays: list[Any] = []
+    fleet = Fleet(server.url, provider.base_url, keyring)
+    try:
+        relays = start_relays(server.url, 2, config={"block_ms": 100})
+        t0 = time.perf_counter()
+        tids = [fleet.launch("bench") for _ in range(n)]
+        await fleet.wait_status(tids, lambda s: s.turns >= 1, "their first turn")
+        for tid in tids:
+            await fleet.client.send(tid, ControlAction.PAUSE, issuer="operator", check_known=False)
+        await fleet.wait_status(tids, lambda s: s.state == "PAUSED", "PAUSED")
+        startup_s = time.perf_counter() - t0
+        for tid in tids:
+            await fleet.new_log_entries(tid)  # move the cursors past everything so far
+        record: list[float] = []
+        for r in range(rounds):
+            record += await record_round(fleet, tids, r)
+        kills = await kill_all(fleet, tids)
+        teardown = await sandbox_teardown(min(n, 50), workdir / "sandboxes")
+        hib = await hibernated_bytes(fleet, hibernated) if hibernated else None
+    finally:
+        stop_relays(relays)
+        await fleet.close()
+        ray.shutdown()
+        provider.stop()
+        server.stop()
+
+    def pct(samples: list[float]) -> dict[str, float]:
+        return {"p50": round(percentile(samples, 50), 2), "p99": round(percentile(samples, 99), 2)}
+
+    write_plot(
+        NAME,
+        {"XADD -> recorded": record, "kill -> terminal": kills, "sandbox group teardown": teardown},
+        title=f"Control latency, {n} live trajectories, 2 relays (2-core machine)",
+    )
+    return {
+        "trajectories": n,
+        "record_ms": pct(record),
+        "kill_ms": pct(kills),
+        "sandbox_teardown_ms": pct(teardown),
+        "hibernated_bytes": hib,
+        "samples": {"record": len(record), "kill": len(kills), "sandbox_teardown": len(teardown)},
+        "targets": {"record_p99_ms": 100, "kill_p99_ms": 500},
+        "notes": (
+            "record/kill from Redis stream entry ids (server clock, 1 ms resolution); kill_ms ends at the "
+            "terminal StateChanged in the trajectory log; sandbox_teardown_ms is Sandbox.kill_all on real "
+            "process groups (the harness awaits it inside kill)"
+        ),
+        "setup": {"relays": 2, "ray_cpus": 2, "appendfsync": "always", "startup_s": round(startup_s, 1)},
+        "environment": environment(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trajectories", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hibernated", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        result = asyncio.run(run(args.trajectories, args.rounds, args.hibernated, Path(tmp)))
+    path = write_json(NAME, result)
+    print(path)
+    print(
+        {
+            k: result[k]
+            for k in ("trajectories", "record_ms", "kill_ms", "sandbox_teardown_ms", "hibernated_bytes")
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
