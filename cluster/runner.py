@@ -209,6 +209,7 @@ class Services:
         self.base_url = workload.provider.base_url or ""
         self.testbed_address: str | None = None
         self.provider: Any = None  # testbed ProviderProcess when simulated
+        self.keyring_path: str | None = None  # absolute, for a local run; a cluster's workers use their own
         # Handles of the actors we created: a non-detached actor lives as long as its creator holds one.
         self.actor_handles: list[Any] = []
         self._stack = contextlib.ExitStack()
@@ -247,6 +248,14 @@ class Services:
             testbed = TestbedProcess(free_port()).start()
             self._stack.callback(testbed.stop)
             self.testbed_address = testbed.address
+        if self.options.address is None:
+            # Embedded mode needs no setup: the local operator key exists, so `tether approve` works at once,
+            # and every actor reads the same keyring whatever its working directory.
+            from cluster.signing import ensure_default_operator, keyring_path
+
+            keyring = keyring_path().resolve()
+            ensure_default_operator(keyring)
+            self.keyring_path = str(keyring)
         self._start_ray()
         if wl.scheduler:
             self._start_scheduler()
@@ -456,6 +465,7 @@ def run_driver(
         base_url=services.base_url,
         testbed_address=services.testbed_address,
         created_at=now,
+        keyring_path=services.keyring_path,
     )
     for _, launch in planned:
         save_launch(services.redis_url, launch)
