@@ -32,7 +32,7 @@ from rich.live import Live
 from rich.table import Table
 
 from cluster.control import ControlAction, LiveEvent
-from cluster.control_client import ControlClient, HeldCallView, Sent, TrajectoryStatus
+from cluster.control_client import ControlClient, HeldCallView, Sent, TrajectoryStatus, UnknownTrajectory
 from cluster.embedded import REDIS_URL_ENV, check_redis_url, redact_url, tether_home
 from cluster.signing import DEFAULT_OPERATOR, ensure_default_operator, keyring_path
 from runtime.errors import DependencyError, InputError
@@ -303,8 +303,6 @@ class ControlCli:
                 return [status]
             if await c.known(trajectory):
                 return [TrajectoryStatus(trajectory_id=trajectory)]  # launched, no snapshot yet
-            from cluster.control_client import UnknownTrajectory
-
             raise UnknownTrajectory(trajectory)
 
         rows = self._run(redis, None, one)
