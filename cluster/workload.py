@@ -12,7 +12,9 @@ Example (see ``examples/quickstart.yaml``)::
       model: sim-small
       limits: {tpm: 60000, rpm: 600}
     classes: {interactive: 4, standard: 2, batch: 1}
-    tools: [{name: run_tests, source: testbed}]
+    tools: [{name: run_tests, source: testbed}, {name: noop, source: builtin}]
+    approval_timeout_s: 30      # silence until then is denial
+    guard: actor                # breakers/bulkheads: one guard actor per dependency scope
     trajectories:
       - id: fix-bug
         count: 3
@@ -20,6 +22,8 @@ Example (see ``examples/quickstart.yaml``)::
         class: standard
         budget: {turns: 10, tokens: 50000, wall_seconds: 120, dollars: 0.5}
         grants: [run_tests]
+        completion_check: {kind: min_tool_results, count: 2}
+        expected_state: COMPLETED
 """
 
 from __future__ import annotations
@@ -232,6 +236,9 @@ class Workload(_Strict):
             unknown = [g for g in spec.grants if g not in tool_names]
             if unknown:
                 raise ValueError(f"{where}.grants names undeclared tools: {', '.join(unknown)}")
+            checked = spec.completion_check.tool
+            if spec.completion_check.kind == "tool_succeeded" and checked not in spec.grants:
+                raise ValueError(f"{where}.completion_check.tool {checked!r} is not in its grants")
             for expanded in spec.expand():
                 if expanded.id in seen:
                     raise ValueError(f"{where}: trajectory id {expanded.id!r} is used twice")
