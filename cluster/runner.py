@@ -299,7 +299,7 @@ class Services:
     def _start_guards(self) -> None:
         """Create the guard actor of every shared dependency scope from the driver, which then owns them
         (an actor is owned by its creator: a guard created by a trajectory actor would die with it)."""
-        from actors.wiring import testbed_contracts
+        from actors.contracts import testbed_contracts
         from breakers.guard import GuardHandle
 
         declared = {t.name for t in self.workload.tools if t.source != ToolSource.BUILTIN}

@@ -36,10 +36,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from actors.contracts import testbed_contracts
 from actors.tools_local import builtin_tools
-from actors.wiring import testbed_contracts
 from runtime.errors import InputError
-from testbed.provider.scenarios import ScenarioError, parse_scenario
 
 __all__ = [
     "BudgetSpec",
@@ -186,6 +185,8 @@ class TrajectorySpec(_Strict):
     @field_validator("scenario")
     @classmethod
     def _scenario_grammar(cls, v: str) -> str:
+        from testbed.provider.scenarios import ScenarioError, parse_scenario
+
         try:
             parse_scenario(v)
         except ScenarioError as e:
