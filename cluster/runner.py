@@ -28,8 +28,9 @@ import redis.asyncio as aioredis
 
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
 from actors.status import status_key
-from cluster.embedded import redis_url_from_env, tether_home
+from cluster.embedded import REDIS_URL_ENV, redis_url_from_env, stop_embedded, tether_home
 from cluster.workload import ToolSource, TrajectorySpec, Workload
+from runtime.errors import DependencyError
 from runtime.states import TrajectoryState
 
 __all__ = [
@@ -231,7 +232,10 @@ class Services:
         from testbed.tools import TestbedProcess
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        embedded = not os.environ.get(REDIS_URL_ENV)
         self.redis_url = redis_url_from_env()
+        if embedded:
+            self._stack.callback(stop_embedded)  # ours: stop it with the rest, not only at interpreter exit
         wl = self.workload
         if wl.provider.kind == "simulated":
             config = ProviderConfig(
@@ -269,7 +273,10 @@ class Services:
         if ray.is_initialized():
             return  # someone else's Ray (tests): not ours to stop
         if self.options.address:
-            ray.init(address=self.options.address, namespace="tether", logging_level=logging.WARNING)
+            try:
+                ray.init(address=self.options.address, namespace="tether", logging_level=logging.WARNING)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise DependencyError(f"cannot join the Ray cluster at {self.options.address}: {e}") from e
         else:
             ray.init(
                 num_cpus=self.options.num_cpus,
