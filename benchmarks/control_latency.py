@@ -150,6 +150,55 @@ async def record_round(fleet: Fleet, tids: list[str], round_no: int) -> list[flo
     return samples
 
 
+async def _await_entry(fleet: Fleet, tid: str, match: Any, what: str) -> int:
+    """Server ms of the first new log entry of ``tid`` that ``match``es (polled every 2 ms)."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        for at, event in await fleet.new_log_entries(tid):
+            if match(event):
+                return at
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{tid}: {what} never appeared in the log")
+        await asyncio.sleep(0.002)
+
+
+async def record_paced(fleet: Fleet, tids: list[str], rounds: int) -> list[float]:
+    """One interrupt at a time (as an operator sends them), round robin over the live trajectories."""
+    samples: list[float] = []
+    for r in range(rounds):
+        for tid in tids:
+            s = await fleet.client.send(
+                tid,
+                ControlAction.INTERRUPT,
+                issuer="operator",
+                payload={"message": f"paced {r}"},
+                check_known=False,
+            )
+            mid = s.message.message_id
+            at = await _await_entry(
+                fleet,
+                tid,
+                lambda e, mid=mid: isinstance(e, ControlRequested) and e.message_id == mid,
+                "interrupt",
+            )
+            samples.append(float(at - entry_ms(s.entry_id)))
+    return samples
+
+
+async def kill_paced(fleet: Fleet, tids: list[str]) -> list[float]:
+    """One kill at a time; ms from the kill's entry to the terminal state entry."""
+    samples: list[float] = []
+    for tid in tids:
+        s = await fleet.client.send(
+            tid, ControlAction.KILL, issuer="operator", reason="bench", check_known=False
+        )
+        at = await _await_entry(
+            fleet, tid, lambda e: isinstance(e, StateChanged) and e.to_state in _TERMINAL, "terminal state"
+        )
+        samples.append(float(at - entry_ms(s.entry_id)))
+    return samples
+
+
 async def kill_all(fleet: Fleet, tids: list[str]) -> list[float]:
     """One kill per trajectory, back to back; ms from the kill's entry to the terminal state entry."""
     published: dict[str, int] = {}
@@ -262,10 +311,13 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         startup_s = time.perf_counter() - t0
         for tid in tids:
             await fleet.new_log_entries(tid)  # move the cursors past everything so far
-        record: list[float] = []
+        record = await record_paced(fleet, tids, rounds)
+        record_burst: list[float] = []
         for r in range(rounds):
-            record += await record_round(fleet, tids, r)
-        kills = await kill_all(fleet, tids)
+            record_burst += await record_round(fleet, tids, r)
+        half = len(tids) // 2
+        kills = await kill_paced(fleet, tids[:half])
+        kills_burst = await kill_all(fleet, tids[half:])
         teardown = await sandbox_teardown(min(n, 50), workdir / "sandboxes")
         hib = await hibernated_bytes(fleet, hibernated) if hibernated else None
     finally:
@@ -280,19 +332,35 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
 
     write_plot(
         NAME,
-        {"XADD -> recorded": record, "kill -> terminal": kills, "sandbox group teardown": teardown},
+        {
+            "XADD -> recorded (one at a time)": record,
+            f"XADD -> recorded (burst of {n})": record_burst,
+            "kill -> terminal (one at a time)": kills,
+            f"kill -> terminal (burst of {n - n // 2})": kills_burst,
+            "sandbox group teardown": teardown,
+        },
         title=f"Control latency, {n} live trajectories, 2 relays (2-core machine)",
     )
     return {
         "trajectories": n,
         "record_ms": pct(record),
         "kill_ms": pct(kills),
+        "record_burst_ms": pct(record_burst),
+        "kill_burst_ms": pct(kills_burst),
         "sandbox_teardown_ms": pct(teardown),
         "hibernated_bytes": hib,
-        "samples": {"record": len(record), "kill": len(kills), "sandbox_teardown": len(teardown)},
+        "samples": {
+            "record": len(record),
+            "record_burst": len(record_burst),
+            "kill": len(kills),
+            "kill_burst": len(kills_burst),
+            "sandbox_teardown": len(teardown),
+        },
         "targets": {"record_p99_ms": 100, "kill_p99_ms": 500},
         "notes": (
-            "record/kill from Redis stream entry ids (server clock, 1 ms resolution); kill_ms ends at the "
+            "record_ms/kill_ms: one message at a time with all N trajectories live; *_burst_ms: one message "
+            "to every trajectory published back to back (queueing on 2 cores). "
+            "Times from Redis stream entry ids (server clock, 1 ms resolution); kill ends at the "
             "terminal StateChanged in the trajectory log; sandbox_teardown_ms is Sandbox.kill_all on real "
             "process groups (the harness awaits it inside kill)"
         ),
