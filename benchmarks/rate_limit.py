@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from collections import defaultdict
@@ -281,6 +282,7 @@ async def run_policy(
         raise ValueError(f"unknown policy {policy!r}")
 
     reset()
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
     tasks = [
         asyncio.create_task(trajectory_loop(i, spec, clients[i], ports[i], provider_key, trace))
@@ -298,7 +300,10 @@ async def run_policy(
     for close in closers:
         with contextlib.suppress(Exception):
             await close()
-    return summarize(policy, spec, before, after, trace, time.monotonic() - started)
+    result = summarize(policy, spec, before, after, trace, time.monotonic() - started)
+    # Other work on the machine starves the client and the provider alike: record it beside the numbers.
+    result["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return result
 
 
 def tokens_of(counters: dict[str, Any]) -> int:
