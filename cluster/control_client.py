@@ -26,10 +26,13 @@ from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 from actors.relay import AUDIT_STREAM, AuditEntry
 from cluster.control import ControlAction, ControlMessage, ControlStream, LiveEvent
 from cluster.embedded import redis_errors
+from cluster.log_store import FIELD as LOG_FIELD
 from cluster.log_store import log_key
 from cluster.signing import keyring_path, load_private_key, sign
 from runtime.clock import Clock, SystemClock
+from runtime.codec import decode as decode_event_bytes
 from runtime.errors import InputError
+from runtime.events import ToolCallHeld
 
 __all__ = [
     "LAUNCH_PREFIX",
@@ -323,11 +326,32 @@ class ControlClient:
         return sorted(out, key=lambda s: s.trajectory_id)
 
     async def pending(self) -> list[HeldCallView]:
-        """Held calls awaiting a decision, soonest expiry first."""
+        """Held calls awaiting a decision, soonest expiry first, with their arguments summarised from the
+        trajectory's log (the snapshot carries only digest, tool and expiry)."""
         held = [
             s.held for s in await self.statuses() if s.held is not None and s.state == "AWAITING_APPROVAL"
         ]
-        return sorted(held, key=lambda h: (h.expires_at or float("inf"), h.trajectory_id))
+        out = []
+        for h in held:
+            args = h.arguments or await self._held_arguments(h.trajectory_id, h.digest)
+            out.append(h.model_copy(update={"arguments": args}))
+        return sorted(out, key=lambda h: (h.expires_at or float("inf"), h.trajectory_id))
+
+    async def _held_arguments(self, trajectory_id: str, digest: str, *, scan: int = 200) -> str:
+        """Arguments of the newest ``ToolCallHeld`` with ``digest`` among the last ``scan`` log entries."""
+        with redis_errors(self._url, f"reading the log of {trajectory_id!r}"):
+            entries = cast(
+                list[tuple[bytes, dict[bytes, bytes]]],
+                await self._client.xrevrange(log_key(trajectory_id), count=scan),
+            )
+        for _, fields in entries:
+            try:
+                event = decode_event_bytes((fields or {}).get(LOG_FIELD, b""))
+            except InputError:
+                continue
+            if isinstance(event, ToolCallHeld) and event.digest == digest:
+                return _summary(json.dumps(dict(event.arguments), default=str))
+        return ""
 
     async def watch(self, *, after: str = "$", block_ms: int = 1000) -> AsyncIterator[tuple[str, LiveEvent]]:
         """Live events as they are published (endless; the caller stops iterating)."""

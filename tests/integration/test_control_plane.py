@@ -368,6 +368,10 @@ async def test_an_approval_for_a_stale_digest_is_refused_and_the_model_sees_refu
     tid = plane.launch("irreversible:sleep", **approval_launch())
     held = await plane.status(tid, lambda s: s.held is not None, "a held call")
     assert held.held is not None
+    # (which `tether pending` lists with its digest, tool, arguments from the log, and expiry)
+    (listed,) = [h for h in await plane.client.pending() if h.trajectory_id == tid]
+    assert (listed.digest, listed.tool) == (held.held.digest, "sleep")
+    assert '"seconds"' in listed.arguments and listed.expires_at is not None
 
     # When an operator approves a different digest (the call changed since they looked)
     await plane.client.approve(tid, issuer="alice", call_digest="0" * 64)
