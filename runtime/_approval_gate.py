@@ -81,7 +81,8 @@ class ApprovalGate:
         held = self.h.record.held
         assert held is not None
         payload = req.payload if isinstance(req.payload, Mapping) else {}
-        digest = payload.get("digest")
+        # the wire format names it ``call_digest``; an approval binds to exactly one call
+        digest = payload.get("call_digest", payload.get("digest"))
         issuers = payload.get("issuers")
         names = (
             tuple(str(i) for i in issuers) if isinstance(issuers, list | tuple) and issuers else (req.issuer,)
@@ -96,7 +97,12 @@ class ApprovalGate:
                 f"Denied by {', '.join(names)}: {req.reason}",
             )
             return
-        if digest is not None and digest != held.digest:
+        if digest is None:
+            await self._refuse_held(
+                ApprovalDecision.DENIED, names, "MISSING_DIGEST", "An approval must name the call's digest."
+            )
+            return
+        if digest != held.digest:
             await self._refuse_held(
                 ApprovalDecision.DENIED, names, "STALE_DIGEST", "The approval was for a different call."
             )

@@ -343,3 +343,27 @@ async def test_admission_refusals_back_off_or_finalize(predicate, times, state, 
     await h.create(created(clock))
     rec = await _run(h, clock)
     assert (rec.state, rec.exit_reason) == (state, exit_reason)
+
+
+async def test_approval_without_a_digest_approves_nothing() -> None:
+    # Given a held irreversible call
+    args = {"channel": "ops", "text": "x"}
+
+    def script(messages):  # type: ignore[no-untyped-def]
+        return call("notify", args, 0) if tool_results(messages) == 0 else done()
+
+    clock, tools = FakeClock(), FakeTools()
+    h = harness(ScriptedModel(script), tools, clock)
+    await h.create(created(clock))
+    task = asyncio.ensure_future(h.run())
+    for _ in range(200):
+        await asyncio.sleep(0)
+    # When an approval arrives that names no digest
+    await h.deliver_control("m1", ControlAction.APPROVE, "alice", "ok", {})
+    await settle_loop(clock, task)
+    # Then it is refused: an approval binds to one exact call, never to "whatever is held"
+    refusal = next(
+        e for e in h.events if isinstance(e, ObservationAppended) and e.observation is ObservationKind.REFUSAL
+    )
+    assert json.loads(refusal.content)["reason"] == "MISSING_DIGEST"
+    assert sum(tools.ledger.by_tool.values()) == 0
