@@ -1,0 +1,377 @@
+"""What one turn costs the runtime: the harness's own per-turn cost against the floor it is built on.
+
+A trajectory actor-shaped Ray actor runs a real ``Harness`` with a zero-latency model (a tool call per
+turn, answered in-process) and a no-op in-process tool, so everything measured is the runtime itself:
+admission through the scheduler actor (admit + settle: two actor round trips), the durable log on a real
+``redis-server`` with ``appendfsync always`` (every event acknowledged on disk before it takes effect),
+folding, context building, dispatch and settlement.
+
+In the same run and from inside the same actor, the floor: one bare Ray actor round trip plus one Redis
+``XADD`` under the same fsync setting. Per turn the harness also records where its time went (log appends
+and how many, admission hops, the model and tool calls, and the remainder: pure harness compute).
+
+    .venv/bin/python -m benchmarks.turn_overhead [--turns 150] [--trajectories 3]
+
+Result: ``benchmarks/results/turn_overhead.json`` (``harness_ms``/``floor_ms`` p50/p99 plus a breakdown)
+and ``turn_overhead.png`` (CDFs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
+
+from actors.status import StatusPublisher
+from actors.tools_local import LOCAL_SCOPE, LocalTool, LocalToolPort
+from benchmarks._common import environment, percentile, summarize_ms, write_json, write_plot
+from cluster.control import ControlStream
+from cluster.log_store import RedisLogStore
+from cluster.redis_server import RedisServer
+from runtime.budget import PriceTable
+from runtime.clock import SystemClock
+from runtime.events import Event, TrajectoryCreated, TurnStarted
+from runtime.harness import Harness, HarnessConfig, HarnessPorts
+from runtime.ports import (
+    CancelToken,
+    ModelReply,
+    ModelRequest,
+    SandboxPermit,
+    StopReason,
+    ToolCallProposal,
+    TurnGrant,
+    TurnRequest,
+    Usage,
+)
+from runtime.record import CallLimits, CompletionCheck, Grants, TaskContract, TrajectoryRecord
+from runtime.tools import RepeatContract, SideEffect, ToolContract, ToolRegistry
+
+NAME = "turn_overhead"
+PROVIDER_KEY = "bench|zero"
+
+
+class StepArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    step: int
+
+
+def _step(args: StepArgs) -> Mapping[str, Any]:
+    return {"step": args.step}
+
+
+class ZeroLatencyModel:
+    """Answers at once: a call to ``step`` (fresh arguments, so no watchdog fires) until ``turns``."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
+        self.calls = 0
+        self.seconds = 0.0
+
+    async def complete(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
+        started = time.perf_counter()
+        self.calls += 1
+        if self.calls >= self.turns:
+            reply = ModelReply(StopReason.END_TURN, "done", [], Usage(50, 0, 5))
+        else:
+            call = ToolCallProposal(f"c{self.calls}", "step", f'{{"step": {self.calls}}}')
+            reply = ModelReply(StopReason.TOOL_USE, "", [call], Usage(50, 0, 10))
+        self.seconds += time.perf_counter() - started
+        return reply
+
+
+class TimedLog:
+    """The Redis log store, timing every append."""
+
+    def __init__(self, inner: RedisLogStore) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+        self.appends = 0
+
+    async def append(self, trajectory_id: str, payload: bytes) -> str:
+        started = time.perf_counter()
+        entry = await self.inner.append(trajectory_id, payload)
+        self.seconds += time.perf_counter() - started
+        self.appends += 1
+        return entry
+
+    async def read(self, trajectory_id: str, after: str | None = None) -> list[tuple[str, bytes]]:
+        return await self.inner.read(trajectory_id, after)
+
+    async def exists(self, trajectory_id: str) -> bool:
+        return await self.inner.exists(trajectory_id)
+
+
+class TimedAdmission:
+    """An admission port timing every call to the wrapped one (the scheduler actor)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    async def _timed(self, coro: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return await coro
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    async def admit_turn(self, request: TurnRequest) -> TurnGrant:
+        grant: TurnGrant = await self._timed(self.inner.admit_turn(request))
+        return grant
+
+    async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
+        await self._timed(self.inner.settle_turn(grant_id, actual_tokens))
+
+    async def report_rate_limited(self, provider_key: str, retry_after: float | None, remaining: Any) -> None:
+        await self._timed(self.inner.report_rate_limited(provider_key, retry_after, remaining))
+
+    async def acquire_sandbox(
+        self, trajectory_id: str, pool: str, priority_class: str, deadline: float
+    ) -> SandboxPermit:
+        permit: SandboxPermit = await self._timed(
+            self.inner.acquire_sandbox(trajectory_id, pool, priority_class, deadline)
+        )
+        return permit
+
+    async def release_sandbox(self, permit_id: str) -> None:
+        await self._timed(self.inner.release_sandbox(permit_id))
+
+
+class TimedTools(LocalToolPort):
+    seconds = 0.0
+
+    async def invoke(self, invocation: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return await super().invoke(invocation)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+class _Probe:
+    """Per-turn sampling hook: at every ``TurnStarted`` it closes the previous turn's sample."""
+
+    def __init__(self, log: TimedLog, admission: TimedAdmission, model: ZeroLatencyModel, tools: TimedTools):
+        self.parts = (log, admission, model, tools)
+        self.samples: list[dict[str, float]] = []
+        self._mark: tuple[float, ...] | None = None
+
+    def _now(self) -> tuple[float, ...]:
+        log, admission, model, tools = self.parts
+        return (
+            time.perf_counter(),
+            log.seconds,
+            float(log.appends),
+            admission.seconds,
+            model.seconds,
+            tools.seconds,
+        )
+
+    def on_event(self, record: TrajectoryRecord, event: Event) -> None:
+        if not isinstance(event, TurnStarted):
+            return
+        now = self._now()
+        if self._mark is not None:
+            total, log_s, appends, admission_s, model_s, tool_s = (
+                a - b for a, b in zip(now, self._mark, strict=True)
+            )
+            self.samples.append(
+                {
+                    "turn": total,
+                    "log_appends": log_s,
+                    "appends": appends,
+                    "admission": admission_s,
+                    "model": model_s,
+                    "tool": tool_s,
+                    "harness_compute": total - log_s - admission_s - model_s - tool_s,
+                }
+            )
+        self._mark = now
+
+    async def on_kill(self, record: TrajectoryRecord) -> None:
+        return None
+
+
+class _Both:
+    def __init__(self, probe: _Probe, status: StatusPublisher) -> None:
+        self.probe, self.status = probe, status
+
+    def on_event(self, record: TrajectoryRecord, event: Event) -> None:
+        self.probe.on_event(record, event)
+        self.status.on_event(record, event)
+
+    async def on_kill(self, record: TrajectoryRecord) -> None:
+        return None
+
+
+def _registry() -> tuple[ToolRegistry, LocalTool]:
+    contract = ToolContract(
+        name="step",
+        description="no-op",
+        arguments=StepArgs,
+        side_effect=SideEffect.READ_ONLY,
+        repeat=RepeatContract.IDEMPOTENT,
+        dependency_scope=LOCAL_SCOPE,
+    )
+    return ToolRegistry([contract]), LocalTool(contract, _step)
+
+
+@ray.remote(num_cpus=0)
+class Echo:
+    """The floor's bare actor: answers at once."""
+
+    async def ping(self) -> int:
+        return 1
+
+
+@ray.remote(num_cpus=0, max_concurrency=100)  # type: ignore[call-overload]
+class BenchTrajectory:
+    """A trajectory actor's shape: one harness, its log on Redis, admission through the scheduler actor."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+
+    async def run_turns(self, trajectory_id: str, turns: int) -> list[dict[str, float]]:
+        from scheduler.actor import SCHEDULER_NAME, SCHEDULER_NAMESPACE, SchedulerHandle
+
+        clock = SystemClock()
+        registry, tool = _registry()
+        log = TimedLog(RedisLogStore.from_url(self.redis_url))
+        admission = TimedAdmission(
+            SchedulerHandle(ray.get_actor(SCHEDULER_NAME, namespace=SCHEDULER_NAMESPACE))
+        )
+        model = ZeroLatencyModel(turns + 1)
+        tools = TimedTools([tool])
+        probe = _Probe(log, admission, model, tools)
+        # the production shell's status view rides along (its writes are off the turn's path, on its loop)
+        client = aioredis.Redis.from_url(self.redis_url)
+        status = StatusPublisher(client, ControlStream(client), trajectory_id, clock)
+        ports = HarnessPorts(model=model, tools=tools, log=log, admission=admission, clock=clock)
+        config = HarnessConfig(provider_key=PROVIDER_KEY, prices=PriceTable(3.0, 0.3, 15.0))
+        harness = Harness(trajectory_id, ports, registry, config, _Both(probe, status))
+        now = clock.wall()
+        await harness.create(
+            TrajectoryCreated(
+                trajectory_id=trajectory_id,
+                parent_id=None,
+                tenant="bench",
+                contract=TaskContract("benchmark", CompletionCheck("always")),
+                limits=CallLimits("zero", 64, 30.0),
+                ceilings={"turns": turns + 10, "tokens": 10**9, "dollars": 10**6, "wall_seconds": 10**6},
+                grants=Grants(tools=frozenset({"step"}), read_only_tools=frozenset({"step"})),
+                priority_class="standard",
+                created_at=now,
+                deadline=now + 3600,
+                context_ref=f"ctx:{trajectory_id}",
+            )
+        )
+        outcome = await harness.run()
+        await status.flush()
+        await status.close()
+        await client.aclose()
+        await log.inner.close()
+        assert outcome.record.state.value == "COMPLETED", outcome.record.state
+        return probe.samples
+
+    async def floor(self, echo: Any, n: int) -> list[float]:
+        store = RedisLogStore.from_url(self.redis_url)
+        payload = b"x" * 256  # about one intent event
+        samples = []
+        try:
+            for _ in range(n):
+                started = time.perf_counter()
+                await echo.ping.remote()
+                await store.append("floor", payload)
+                samples.append(time.perf_counter() - started)
+        finally:
+            await store.close()
+        return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.turn_overhead", description=__doc__)
+    parser.add_argument("--turns", type=int, default=150, help="turns per trajectory")
+    parser.add_argument("--trajectories", type=int, default=3, help="trajectories, run one after another")
+    parser.add_argument("--skip", type=int, default=10, help="warm-up turns dropped from each trajectory")
+    args = parser.parse_args(argv)
+
+    from scheduler.actor import SchedulerHandle
+    from scheduler.config import ProviderLimits, SchedulerConfig
+
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(data_dir=Path(tmp) / "redis") as server:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            namespace="tether",
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
+        try:
+            limits = ProviderLimits(tokens_per_minute=10**9, requests_per_minute=10**7)
+            scheduler = SchedulerHandle.connect(SchedulerConfig(providers={PROVIDER_KEY: limits}))
+            echo = Echo.remote()  # type: ignore[attr-defined]
+            bench = BenchTrajectory.remote(server.url)  # type: ignore[attr-defined]
+            ray.get(bench.floor.remote(echo, 50))  # warm both paths
+            harness_samples: list[dict[str, float]] = []
+            floor_samples: list[float] = []
+            for i in range(args.trajectories):
+                # interleave: the floor is measured between trajectories, under the same machine load
+                floor_samples += ray.get(bench.floor.remote(echo, args.turns))
+                turns = ray.get(bench.run_turns.remote(f"bench-{i}", args.turns))
+                harness_samples += turns[args.skip :]
+            del scheduler
+        finally:
+            ray.shutdown()
+
+    turn_s = [s["turn"] for s in harness_samples]
+    harness = summarize_ms(turn_s)
+    floor = summarize_ms(floor_samples)
+    parts = ("log_appends", "admission", "model", "tool", "harness_compute")
+    breakdown = {p: round(percentile([s[p] for s in harness_samples], 50) * 1000, 3) for p in parts}
+    appends = percentile([s["appends"] for s in harness_samples], 50)
+    result = {
+        "harness_ms": {"p50": harness["p50_ms"], "p99": harness["p99_ms"]},
+        "floor_ms": {"p50": floor["p50_ms"], "p99": floor["p99_ms"]},
+        "detail": {
+            "ratio_p50": round(harness["p50_ms"] / floor["p50_ms"], 2),
+            "harness": harness,
+            "floor": floor,
+            "breakdown_p50_ms": breakdown,
+            "log_appends_per_turn_p50": appends,
+            "turn_samples": len(turn_s),
+            "floor_samples": len(floor_samples),
+            "appendfsync": "always",
+            "turns_per_trajectory": args.turns,
+            "environment": environment(),
+        },
+    }
+    path = write_json(NAME, result)
+
+    def ms(values: list[float]) -> list[float]:
+        return [v * 1000.0 for v in values]
+
+    write_plot(
+        NAME,
+        {
+            "harness turn": ms(turn_s),
+            "floor (actor round trip + XADD)": ms(floor_samples),
+            "log appends per turn": ms([s["log_appends"] for s in harness_samples]),
+            "admission per turn (2 actor hops)": ms([s["admission"] for s in harness_samples]),
+            "harness compute per turn": ms([s["harness_compute"] for s in harness_samples]),
+        },
+        title="Per-turn runtime cost (zero-latency model, no-op tool, appendfsync always)",
+    )
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
