@@ -68,7 +68,7 @@ def _model_intent(rec: TrajectoryRecord, ev: ModelCallIntent) -> TrajectoryRecor
         refuse(rec, ev, "max_tokens_above_limit", f"limit is {rec.limits.max_output_tokens}")
     if rec.deadline is not None and ev.deadline > rec.deadline:
         refuse(rec, ev, "deadline_beyond_trajectory", "inner deadlines are clamped to the trajectory's")
-    call = ModelCall(ev.grant_id, ev.model, ev.max_tokens, ev.deadline)
+    call = ModelCall(ev.grant_id, ev.model, ev.max_tokens, ev.deadline, prompt_tokens=ev.prompt_tokens)
     return replace(rec, model_call=call)
 
 

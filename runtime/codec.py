@@ -145,9 +145,12 @@ def _kind(value: Any) -> str:
     return "nil" if value is None else type(value).__name__
 
 
-def _exact_keys(value: dict[str, Any], expected: tuple[str, ...], path: str) -> None:
+def _exact_keys(
+    value: dict[str, Any], expected: tuple[str, ...], path: str, optional: frozenset[str] = frozenset()
+) -> None:
+    """Every expected key present (except ``optional`` ones, which have defaults), no unknown key."""
     for key in expected:
-        if key not in value:
+        if key not in value and key not in optional:
             raise CodecError("missing field", where=f"{path}.{key}")
     for key in value:
         if key not in expected:
@@ -221,11 +224,21 @@ def _string_keyed(value: Any, path: str) -> dict[str, Any]:
     return entries
 
 
+def _defaulted(cls: type) -> frozenset[str]:
+    return frozenset(
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+    )
+
+
 def _decode_dataclass(cls: type, value: Any, path: str) -> Any:
     fields = _field_types(cls)
     entries = _string_keyed(value, path)
-    _exact_keys(entries, tuple(name for name, _ in fields), path)
-    kwargs = {name: _decode(ftp, entries[name], f"{path}.{name}") for name, ftp in fields}
+    # A field added later within one schema version has a default: entries written before it may omit it.
+    optional = _defaulted(cls)
+    _exact_keys(entries, tuple(name for name, _ in fields), path, optional)
+    kwargs = {name: _decode(ftp, entries[name], f"{path}.{name}") for name, ftp in fields if name in entries}
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:  # the value type's own invariants

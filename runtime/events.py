@@ -214,11 +214,13 @@ class ModelCallIntent:
     model: str
     max_tokens: int
     deadline: float
+    prompt_tokens: int = 0  # the admission estimate; charged with max_tokens if the reply is lost
 
     def __post_init__(self) -> None:
         _id(self.grant_id, "grant_id")
         _id(self.model, "model")
         _check(self.max_tokens > 0, "max_tokens must be > 0")
+        _check(self.prompt_tokens >= 0, "prompt_tokens must be >= 0")
         _time(self.deadline, "deadline")
 
 

@@ -348,7 +348,11 @@ class Harness:
 
         await self._append(TurnStarted(self.record.turn_count + 1))
         await self._append(StateChanged(S.READY, S.CALLING_MODEL, "admitted"))
-        await self._append(ModelCallIntent(grant.grant_id, rec.limits.model, max_tokens, call_deadline))
+        await self._append(
+            ModelCallIntent(
+                grant.grant_id, rec.limits.model, max_tokens, call_deadline, estimate - max_tokens
+            )
+        )
         request = ModelRequest(
             trajectory_id=self.trajectory_id,
             model=rec.limits.model,
@@ -585,9 +589,10 @@ class Harness:
         """Recovery inside CALLING_MODEL: the reply (if any) was not fully processed before the crash."""
         call = self.record.model_call
         if call is not None and call.outcome is None:
-            # The intent was logged and the provider may have billed the call: charge the reservation.
-            await self.ports.admission.settle_turn(call.grant_id, 0)
-            reserved = Usage(uncached_input=0, cached_input=0, output=call.max_tokens)
+            # The intent was logged and the provider may have billed the call: charge the whole reservation
+            # (prompt estimate + output ceiling), the most the provider can have billed for it.
+            reserved = Usage(uncached_input=call.prompt_tokens, cached_input=0, output=call.max_tokens)
+            await self.ports.admission.settle_turn(call.grant_id, reserved.total)
             await self._append(
                 ModelCallFailed(
                     "the actor restarted during the call", True, reserved, self.config.prices.cost(reserved)

@@ -196,6 +196,7 @@ class ModelCall:
     max_tokens: int
     deadline: float
     outcome: ModelOutcome | None = None
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -367,3 +367,29 @@ async def test_approval_without_a_digest_approves_nothing() -> None:
     )
     assert json.loads(refusal.content)["reason"] == "MISSING_DIGEST"
     assert sum(tools.ledger.by_tool.values()) == 0
+
+
+async def test_restart_mid_model_call_charges_the_whole_reservation() -> None:
+    # Given a model call whose intent is logged when the process dies
+    clock, log, tools = FakeClock(), MemoryLogStore(), FakeTools()
+    model = ScriptedModel(finish_after(0), gate=asyncio.Event())
+    h1 = harness(model, tools, clock, log)
+    await h1.create(created(clock, check="always"))
+    t1 = asyncio.ensure_future(h1.run())
+    await model.started.wait()
+    log.unavailable = "process died"
+    t1.cancel()
+    await h1.close()
+    log.unavailable = None
+    # When a new harness recovers and continues
+    h2 = harness(ScriptedModel(finish_after(0)), tools, clock, log)
+    rec = await h2.recover()
+    assert rec.state is S.CALLING_MODEL and rec.model_call is not None
+    reserved = rec.model_call.prompt_tokens + rec.model_call.max_tokens
+    task = asyncio.ensure_future(h2.run())
+    await settle_loop(clock, task)
+    final = task.result().record
+    # Then the lost call was charged its prompt estimate plus its output ceiling, then the next call's usage
+    assert rec.model_call.prompt_tokens > 0
+    assert final.spend.get("tokens") == reserved + 105
+    assert final.state is S.COMPLETED
