@@ -21,6 +21,7 @@ from runtime.errors import (
     PolicyRefusal,
 )
 from runtime.events import (
+    Event,
     LateResultDropped,
     ObservationAppended,
     ObservationKind,
@@ -128,6 +129,19 @@ class ToolStage:
 
     def _needs_approval(self, tool: str) -> bool:
         return tool in self.h.record.grants.approval_required or self.h.registry.get(tool).requires_approval
+
+    def replay_watchdog(self, events: Sequence[Event]) -> None:
+        """Rebuild the watchdog's window after a restart from the calls it saw: every held call and
+        every first dispatch of an effect (retries and approved releases are the same call again)."""
+        seen: set[str] = set()
+        for ev in events:
+            if isinstance(ev, ToolCallHeld):
+                seen.add(ev.call_id)
+                self._watch(ev.tool, ev.arguments)
+            elif isinstance(ev, ToolDispatchIntent) and ev.effect_key not in seen and ev.call_id not in seen:
+                seen.add(ev.effect_key)
+                if ev.tool in self.h.registry.names():
+                    self._watch(ev.tool, ev.arguments)
 
     def _watch(self, tool: str, args: Mapping[str, Any]) -> str | None:
         contract = self.h.registry.get(tool)

@@ -215,6 +215,7 @@ class Harness:
         events = [decode(payload) for _, payload in entries]
         self._record = fold(events)
         self._events = events
+        self._tools.replay_watchdog(events)  # a restart must not reset loop detection
         return self._record
 
     # ------------------------------------------------------------------ control (from the relay)

@@ -393,3 +393,27 @@ async def test_restart_mid_model_call_charges_the_whole_reservation() -> None:
     assert rec.model_call.prompt_tokens > 0
     assert final.spend.get("tokens") == reserved + 105
     assert final.state is S.COMPLETED
+
+
+async def test_restart_does_not_reset_loop_detection() -> None:
+    # Given a trajectory that made the same call twice, then lost its process between turns
+    repeat = ScriptedModel(lambda m: call("run_tests", {"suite": "same"}, tool_results(m)))
+    clock, log, tools = FakeClock(), MemoryLogStore(), FakeTools()
+    h1 = harness(repeat, tools, clock, log)
+    await h1.create(created(clock))
+    t1 = asyncio.ensure_future(h1.run())
+    for _ in range(2000):
+        await asyncio.sleep(0)
+        if h1.record.turn_count == 2 and h1.record.state is S.READY:
+            break
+    log.unavailable = "process died"
+    t1.cancel()
+    await h1.close()
+    log.unavailable = None
+    # When a new harness recovers and the model repeats the call once more
+    h2 = harness(repeat, tools, clock, log)
+    await h2.recover()
+    assert h2.record.turn_count == 2
+    rec = await _run(h2, clock)
+    # Then the watchdog still counts the two calls before the crash and stops it on the third
+    assert rec.exit_reason is ExitReason.ERROR and rec.turn_count == 3
