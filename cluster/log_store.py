@@ -15,6 +15,7 @@ deployment can additionally require ``min_replicas`` replicas to have the entry 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self, cast
 
@@ -115,6 +116,34 @@ class RedisLogStore:
                         scope="redis",
                     )
         return _text(entry_id)
+
+    async def append_many(self, trajectory_id: str, payloads: Sequence[bytes]) -> list[str]:
+        """Append ``payloads`` in order as one MULTI/EXEC transaction: all or none, acknowledged (and,
+        with ``appendfsync always``, fsynced) once for the whole batch."""
+        key = log_key(trajectory_id)
+        for i, payload in enumerate(payloads):
+            if not isinstance(payload, bytes | bytearray | memoryview):
+                raise InputError(
+                    f"log payload must be bytes, got {type(payload).__name__}", where=f"payloads[{i}]"
+                )
+        if not payloads:
+            return []
+        if len(payloads) == 1:
+            return [await self.append(trajectory_id, payloads[0])]
+        with redis_errors(self._url, f"appending {len(payloads)} entries to {key}"):
+            async with self._client.pipeline(transaction=True) as pipe:
+                for payload in payloads:
+                    pipe.xadd(key, {FIELD: bytes(payload)})
+                ids = await pipe.execute()
+            if self._min_replicas:
+                acked = await self._client.wait(self._min_replicas, self._replica_timeout_ms)
+                if acked < self._min_replicas:
+                    raise DependencyError(
+                        f"appending to {key}: only {acked} of {self._min_replicas} replicas acknowledged "
+                        f"a batch of {len(payloads)} within {self._replica_timeout_ms} ms",
+                        scope="redis",
+                    )
+        return [_text(entry_id) for entry_id in ids]
 
     async def read(self, trajectory_id: str, after: str | None = None) -> list[tuple[str, bytes]]:
         """Every entry with an id greater than ``after`` (from the start when ``None``), in order."""

@@ -16,6 +16,7 @@ This module is pure: no Redis, no clock. Entry ids use a per-store counter rathe
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from runtime.errors import DependencyError, InputError
 
@@ -79,6 +80,17 @@ class MemoryLogStore:
         self._logs.setdefault(trajectory_id, []).append((key, bytes(payload)))
         self.appends += 1
         return f"{key[0]}-{key[1]}"
+
+    async def append_many(self, trajectory_id: str, payloads: Sequence[bytes]) -> list[str]:
+        """Append every payload in order, all or none (validated before any is stored)."""
+        check_trajectory_id(trajectory_id)
+        for i, payload in enumerate(payloads):
+            if not isinstance(payload, bytes | bytearray | memoryview):
+                raise InputError(
+                    f"log payload must be bytes, got {type(payload).__name__}", where=f"payloads[{i}]"
+                )
+        self._check_available()
+        return [await self.append(trajectory_id, payload) for payload in payloads]
 
     async def read(self, trajectory_id: str, after: str | None = None) -> list[tuple[str, bytes]]:
         """Entries with an id greater than ``after`` (all of them when ``None``), in append order."""

@@ -53,6 +53,23 @@ async def test_entries_come_back_in_append_order_with_increasing_ids(store: List
     assert keys == sorted(keys) and len(set(keys)) == 3
 
 
+async def test_append_many_stores_a_batch_in_order_after_single_appends(store: ListingStore) -> None:
+    # Given one single append, then a batch of three
+    first = await store.append("t-batch", b"a")
+    ids = await store.append_many("t-batch", [b"b", b"c", b"d"])
+    # Then the batch follows in order with increasing ids, and an empty batch stores nothing
+    assert await store.append_many("t-batch", []) == []
+    entries = await store.read("t-batch")
+    assert [p for _, p in entries] == [b"a", b"b", b"c", b"d"]
+    assert [i for i, _ in entries] == [first, *ids]
+
+
+async def test_append_many_refuses_a_bad_payload_before_storing_any(store: ListingStore) -> None:
+    with pytest.raises(InputError, match=r"payloads\[1\]"):
+        await store.append_many("t-batch-bad", [b"ok", "not bytes"])  # type: ignore[list-item]
+    assert not await store.exists("t-batch-bad")
+
+
 async def test_read_after_returns_only_later_entries(store: ListingStore) -> None:
     # Given a log of four entries
     ids = [await store.append("t-1", f"e{i}".encode()) for i in range(4)]
