@@ -29,6 +29,7 @@ __all__ = [
     "Metrics",
     "MetricsBackend",
     "NoopBackend",
+    "Outcome",
     "current",
     "install",
 ]
@@ -50,6 +51,20 @@ class BreakerStateValue(StrEnum):
     @property
     def code(self) -> int:
         return {"closed": 0, "half_open": 1, "open": 2}[self.value]
+
+
+class Outcome(StrEnum):
+    """How a trajectory ended, as operators count it (the ``outcome`` label of finished trajectories).
+
+    PARTIAL is a FAILED trajectory that still established at least one external effect: "mostly worked"
+    must not hide inside a binary success metric (reliability guide §12.5, partial completion rate).
+    """
+
+    COMPLETED = "completed"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    KILLED = "killed"
+    CANCELED = "canceled"
 
 
 @dataclass(frozen=True)
@@ -82,12 +97,17 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "tether_trajectories_finished",
             Kind.COUNTER,
-            "Trajectories that reached a final outcome (completed, partial, failed, cancelled, killed).",
+            "Trajectories that reached a final outcome (completed, partial, failed, killed, canceled).",
             ("outcome",),
         ),
         MetricSpec("tether_step_attempts", Kind.COUNTER, "Step attempts, first tries and retries."),
         MetricSpec(
             "tether_steps_completed", Kind.COUNTER, "Steps completed; attempts/completed is the retry ratio."
+        ),
+        MetricSpec(
+            "tether_tool_operations",
+            Kind.COUNTER,
+            "Distinct tool operations dispatched (one per operation, however many attempts).",
         ),
         MetricSpec(
             "tether_duplicate_effects",
@@ -98,7 +118,7 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "tether_steps_to_completion",
             Kind.HISTOGRAM,
-            "Steps a trajectory took to finish.",
+            "Turns a trajectory took to reach COMPLETED.",
             buckets=_STEP_BUCKETS,
         ),
         # scheduler
@@ -118,6 +138,12 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "tether_provider_429", Kind.COUNTER, "HTTP 429 responses received, by provider.", ("provider",)
         ),
+        MetricSpec(
+            "tether_admission_refused",
+            Kind.COUNTER,
+            "Scheduler refusals, by request kind (turn, sandbox), priority class and failed predicate.",
+            ("kind", "priority_class", "predicate"),
+        ),
         # breakers
         MetricSpec(
             "tether_breaker_state",
@@ -136,11 +162,22 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "tether_control_latency_seconds",
             Kind.HISTOGRAM,
-            "Time from a control message's publication to the trajectory recording it, by kind.",
+            "Time from a trajectory recording a control request to applying it, by kind.",
             ("kind",),
             _CONTROL_BUCKETS,
         ),
-        MetricSpec("tether_trajectories", Kind.GAUGE, "Live trajectories, by state.", ("state",)),
+        MetricSpec(
+            "tether_trajectories",
+            Kind.GAUGE,
+            "Trajectories of the run by state, from their status snapshots (the driver's view).",
+            ("state",),
+        ),
+        MetricSpec(
+            "tether_actor_trajectories",
+            Kind.GAUGE,
+            "Unfinished trajectories held by this process, by state (kept from state changes).",
+            ("state",),
+        ),
     )
 }
 """Every metric Tether exports, by base name."""
@@ -234,16 +271,25 @@ class Metrics:
     def escalated(self, trigger: str) -> None:
         self._record("tether_escalations", Kind.COUNTER, 1, {"trigger": trigger})
 
-    def trajectory_finished(self, outcome: str, steps: int) -> None:
-        """A trajectory reached a final outcome after ``steps`` steps (partial completion is an outcome)."""
-        self._record("tether_trajectories_finished", Kind.COUNTER, 1, {"outcome": outcome})
-        self._record("tether_steps_to_completion", Kind.HISTOGRAM, steps)
+    def trajectory_finished(self, outcome: Outcome | str, steps: int) -> None:
+        """A trajectory reached a final outcome after ``steps`` turns (partial completion is an outcome).
+
+        Only a completed trajectory adds to the steps-to-completion distribution: the turns a failed one
+        used are not steps to *completion*, and mixing them in would hide the looping tail §12.5 watches.
+        """
+        self._record("tether_trajectories_finished", Kind.COUNTER, 1, {"outcome": str(outcome)})
+        if outcome == Outcome.COMPLETED:
+            self._record("tether_steps_to_completion", Kind.HISTOGRAM, steps)
 
     def step_attempted(self) -> None:
         self._record("tether_step_attempts", Kind.COUNTER, 1)
 
     def step_completed(self) -> None:
         self._record("tether_steps_completed", Kind.COUNTER, 1)
+
+    def tool_operation_started(self) -> None:
+        """A new tool operation was dispatched (its first attempt); attempts / operations: retry ratio."""
+        self._record("tether_tool_operations", Kind.COUNTER, 1)
 
     def duplicate_effect(self, tool: str) -> None:
         self._record("tether_duplicate_effects", Kind.COUNTER, 1, {"tool": tool})
@@ -264,6 +310,14 @@ class Metrics:
     def rate_limited(self, provider: str) -> None:
         self._record("tether_provider_429", Kind.COUNTER, 1, {"provider": provider})
 
+    def admission_refused(self, kind: str, priority_class: str, predicate: str) -> None:
+        self._record(
+            "tether_admission_refused",
+            Kind.COUNTER,
+            1,
+            {"kind": kind, "priority_class": priority_class, "predicate": predicate},
+        )
+
     # breakers
     def breaker_state(self, scope: str, state: BreakerStateValue | str) -> None:
         code = BreakerStateValue(state).code
@@ -283,6 +337,11 @@ class Metrics:
         if count < 0:
             raise InputError(f"metric tether_trajectories: count must be >= 0, got {count}")
         self._record("tether_trajectories", Kind.GAUGE, count, {"state": state})
+
+    def actor_trajectories_in_state(self, state: str, count: int) -> None:
+        if count < 0:
+            raise InputError(f"metric tether_actor_trajectories: count must be >= 0, got {count}")
+        self._record("tether_actor_trajectories", Kind.GAUGE, count, {"state": state})
 
 
 _current: Metrics | None = None
