@@ -17,10 +17,17 @@ The generation increments on every entry into OPEN (trip or reopen), so each tri
 generation: calls admitted before a trip, and a probe that failed, carry an older number than the probe of
 the next cycle. The class performs no I/O and reads time only from the injected clock (monotonic axis);
 callers that share it across tasks or threads serialise access themselves (see ``breakers.guard``).
+
+Metrics (issue 7, "breakers: state per scope, trips, probes"): an optional injected
+``runtime.metrics.Metrics`` sees every state change (``tether_breaker_state``), every CLOSED -> OPEN trip
+(``tether_breaker_trips``) and every probe's end (``tether_breaker_probes`` with outcome ``success``,
+``failure`` or ``abandoned``). A failed probe reopens the scope but is not a new trip: trips count how often
+a healthy scope went bad, probes how its recovery attempts went. Recording never changes a decision.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
@@ -29,9 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.clock import Clock
 from runtime.errors import BreakerOpen
+from runtime.metrics import Metrics
 from runtime.ports import OutcomeClass
 
 __all__ = ["Breaker", "BreakerPolicy", "BreakerState", "BreakerTicket", "RecordEffect", "should_trip"]
+
+_log = logging.getLogger(__name__)
 
 
 class BreakerState(StrEnum):
@@ -107,16 +117,20 @@ def should_trip(window_size: int, failures: int, policy: BreakerPolicy) -> bool:
 class Breaker:
     """The breaker of one dependency scope, e.g. ``"env-service/tenant-a"``."""
 
-    def __init__(self, scope: str, policy: BreakerPolicy, clock: Clock) -> None:
+    def __init__(
+        self, scope: str, policy: BreakerPolicy, clock: Clock, metrics: Metrics | None = None
+    ) -> None:
         self.scope = scope
         self.policy = policy
         self._clock = clock
+        self._metrics = metrics if metrics is not None else Metrics()
         self._state = BreakerState.CLOSED
         self._generation = 0
         self._window: deque[_Observation] = deque(maxlen=policy.window_size)
         self._cooldown_s = policy.cooldown_s
         self._opened_at = 0.0
         self._probes_claimed = 0
+        self._observe(None)  # the scope shows up, CLOSED
 
     # ------------------------------------------------------------------ observation
 
@@ -169,6 +183,7 @@ class Breaker:
             return BreakerTicket(self._generation, probe=False)
         self._state = BreakerState.HALF_OPEN  # OPEN with its cooldown over: this caller is the probe
         self._probes_claimed += 1
+        self._observe(None)
         return BreakerTicket(self._generation, probe=True)
 
     def withholding(self) -> BreakerOpen | None:
@@ -184,6 +199,11 @@ class Breaker:
 
     def record(self, ticket: BreakerTicket, outcome: OutcomeClass) -> RecordEffect:
         """Feed back the classified outcome of a dispatched call admitted with ``ticket``."""
+        effect = self._record(ticket, outcome)
+        self._observe(effect)
+        return effect
+
+    def _record(self, ticket: BreakerTicket, outcome: OutcomeClass) -> RecordEffect:
         if ticket.generation != self._generation:
             return RecordEffect.STALE
         failure = outcome is OutcomeClass.INFRASTRUCTURE_FAILURE
@@ -209,7 +229,28 @@ class Breaker:
         """
         if not ticket.probe:
             return RecordEffect.IGNORED
-        return self.record(ticket, OutcomeClass.INFRASTRUCTURE_FAILURE)
+        effect = self._record(ticket, OutcomeClass.INFRASTRUCTURE_FAILURE)
+        self._observe(effect, "abandoned")
+        return effect
+
+    # ------------------------------------------------------------------ metrics
+
+    def _observe(self, effect: RecordEffect | None, failed_probe: str = "failure") -> None:
+        """Record what ``effect`` did (None: only the state); ``failed_probe`` names how a reopening probe
+        ended. An exporter problem must never change what the breaker decides, so nothing here raises."""
+        m, scope = self._metrics, self.scope
+        try:
+            if effect is RecordEffect.TRIPPED:
+                m.breaker_tripped(scope)
+            elif effect is RecordEffect.REOPENED:
+                m.breaker_probed(scope, failed_probe)
+            elif effect is RecordEffect.CLOSED:
+                m.breaker_probed(scope, "success")
+            elif effect is not None:
+                return  # counted, stale or ignored: no state changed
+            m.breaker_state(scope, self._state.value)
+        except Exception:
+            _log.warning("breaker %s: metric not recorded", scope, exc_info=True)
 
     # ------------------------------------------------------------------ internals
 

@@ -7,6 +7,9 @@
 - Refusals cross the wire as a plain ``GuardRefusal`` value and are raised again on the caller's side as
   the runtime's named errors, so callers catch ``BreakerOpen``/``BulkheadFull`` exactly as in process.
 - A background task reclaims leases past their expiry, so a holder that died frees its slot.
+- Metrics: given ``metrics_backend`` (a zero-argument factory, e.g. ``actors.metrics_ray.RayBackend``,
+  passed by whoever creates the actor; this package may not import ``actors``), the actor records its
+  scope's breaker state, trips and probes through ``runtime.metrics.Metrics`` built inside the actor.
 
 ``GuardHandle`` is the thin caller-side wrapper implementing ``runtime.ports.GuardPort``; it routes each
 scope to its actor, creating it on first use (``get_if_exists``), so any process reaches the same guard.
@@ -23,6 +26,7 @@ import ray
 
 from runtime.clock import SystemClock
 from runtime.errors import BreakerOpen, BulkheadFull, PolicyRefusal
+from runtime.metrics import Metrics, MetricsBackend
 from runtime.ports import GuardPermit, OutcomeClass
 
 from .errors import QueuedPastDeadline
@@ -80,9 +84,17 @@ class GuardRefusal:
 class GuardActor:
     """Breaker + bulkhead of one dependency scope. A thin shell over ``InProcessGuard``."""
 
-    def __init__(self, scope: str, policy: dict[str, Any], reclaim_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        scope: str,
+        policy: dict[str, Any],
+        reclaim_interval_s: float = 1.0,
+        metrics_backend: Callable[[], MetricsBackend] | None = None,
+    ) -> None:
         self._scope = scope
-        self._guard = InProcessGuard(SystemClock(), GuardPolicy.model_validate(policy))
+        # built here, in the actor's process: a backend holds locks and exporter state that do not pickle
+        metrics = Metrics(metrics_backend()) if metrics_backend is not None else None
+        self._guard = InProcessGuard(SystemClock(), GuardPolicy.model_validate(policy), metrics=metrics)
         self._reclaim_interval_s = reclaim_interval_s
         self._reclaimer: asyncio.Task[None] | None = None
 
@@ -128,7 +140,8 @@ class GuardActor:
 class GuardHandle:
     """``GuardPort`` over the guard actors: one actor per scope, created on first use.
 
-    ``holder`` identifies the caller for lease bookkeeping (e.g. the trajectory id).
+    ``holder`` identifies the caller for lease bookkeeping (e.g. the trajectory id). ``metrics_backend`` is
+    handed to the actors this handle creates (the first creator of a scope's actor decides, like the policy).
     """
 
     def __init__(
@@ -136,6 +149,7 @@ class GuardHandle:
         policy: GuardPolicy | Callable[[str], GuardPolicy] | None = None,
         holder: str = "",
         detached: bool = False,
+        metrics_backend: Callable[[], MetricsBackend] | None = None,
     ) -> None:
         chosen = policy if policy is not None else GuardPolicy()
         self._policy_for: Callable[[str], GuardPolicy] = (
@@ -143,6 +157,7 @@ class GuardHandle:
         )
         self._holder = holder
         self._detached = detached
+        self._metrics_backend = metrics_backend
         self._actors: dict[str, Any] = {}
 
     def actor(self, scope: str) -> Any:
@@ -157,7 +172,9 @@ class GuardHandle:
             if self._detached:
                 options["lifetime"] = "detached"
             actor_class: Any = GuardActor
-            handle = actor_class.options(**options).remote(scope, self._policy_for(scope).model_dump())
+            handle = actor_class.options(**options).remote(
+                scope, self._policy_for(scope).model_dump(), 1.0, self._metrics_backend
+            )
             self._actors[scope] = handle
         return handle
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.clock import Clock
+from runtime.metrics import Metrics
 from runtime.ports import GuardPermit, OutcomeClass
 
 from .breaker import RecordEffect
@@ -31,15 +32,18 @@ _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[GuardPermit]"]
 
 class InProcessGuard:
     """Breaker + bulkhead per dependency scope, in this process. ``policy`` is one policy for every
-    scope or a function choosing one per scope (e.g. tighter caps for a tenant partition)."""
+    scope or a function choosing one per scope (e.g. tighter caps for a tenant partition). ``metrics``
+    records every scope's breaker state, trips and probes (no-op when None)."""
 
     def __init__(
         self,
         clock: Clock,
         policy: GuardPolicy | Callable[[str], GuardPolicy] | None = None,
         holder: str = "",
+        metrics: Metrics | None = None,
     ) -> None:
         self._clock = clock
+        self._metrics = metrics
         chosen = policy if policy is not None else GuardPolicy()
         self._policy_for: Callable[[str], GuardPolicy] = (
             chosen if callable(chosen) and not isinstance(chosen, GuardPolicy) else (lambda _scope: chosen)
@@ -106,7 +110,7 @@ class InProcessGuard:
     def _guard(self, scope: str) -> ScopeGuard:
         guard = self._guards.get(scope)
         if guard is None:
-            guard = ScopeGuard(scope, self._policy_for(scope), self._clock)
+            guard = ScopeGuard(scope, self._policy_for(scope), self._clock, self._metrics)
             self._guards[scope] = guard
         return guard
 

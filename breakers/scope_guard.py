@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from runtime.clock import Clock
 from runtime.errors import BreakerOpen, PolicyRefusal
+from runtime.metrics import Metrics
 from runtime.ports import GuardPermit, OutcomeClass
 
 from .breaker import Breaker, BreakerPolicy, BreakerState, BreakerTicket, RecordEffect
@@ -81,10 +82,10 @@ class _Held:
 class ScopeGuard:
     """Admission, outcome recording and slot release for one dependency scope."""
 
-    def __init__(self, scope: str, policy: GuardPolicy, clock: Clock) -> None:
+    def __init__(self, scope: str, policy: GuardPolicy, clock: Clock, metrics: Metrics | None = None) -> None:
         self.scope = scope
         self.policy = policy
-        self.breaker = Breaker(scope, policy.breaker, clock)
+        self.breaker = Breaker(scope, policy.breaker, clock, metrics)
         self.bulkhead = Bulkhead(scope, policy.bulkhead, clock)
         self._held: dict[str, _Held] = {}
         self._settled: OrderedDict[str, None] = OrderedDict()
