@@ -196,17 +196,19 @@ class SchedulerHandle:
         namespace: str = SCHEDULER_NAMESPACE,
         detached: bool = False,
         holder_name_template: str | None = None,
+        metrics: SchedulerMetrics | None = None,
     ) -> SchedulerHandle:
         """Get the named scheduler actor, creating it with ``config`` if it does not exist yet.
 
         ``detached=True`` keeps it alive after the creating job ends, so several jobs on one cluster
-        share the same limits. An existing actor keeps its own configuration.
+        share the same limits. An existing actor keeps its own configuration (and metrics). ``metrics``
+        must pickle: e.g. ``scheduler.observe.MetricsAdapter(RayBackend)`` builds its backend in the actor.
         """
         options: dict[str, Any] = {"name": name, "namespace": namespace, "get_if_exists": True}
         if detached:
             options["lifetime"] = "detached"
         payload = (config or SchedulerConfig()).model_dump(mode="json")
-        actor = SchedulerActor.options(**options).remote(payload, holder_name_template)
+        actor = SchedulerActor.options(**options).remote(payload, holder_name_template, 30.0, metrics)
         return cls(actor)
 
     @property
