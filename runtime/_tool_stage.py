@@ -181,6 +181,7 @@ class ToolStage:
                 break
             deadlines = [p.deadline for p in self.h.record.pending_calls.values()]
             wait = max(0.0, min(deadlines) - self.h.ports.clock.wall()) if deadlines else None
+            await self.h._flush()  # about to wait: timeouts and results so far are durable first
             self.h._changed.clear()
             kill_wait = asyncio.ensure_future(self.h._kill.wait())
             changed = asyncio.ensure_future(self.h._changed.wait())
@@ -205,9 +206,11 @@ class ToolStage:
         for t in live:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for call_id in list(self.h.record.pending_calls):
-            pending = self.h.record.pending_calls[call_id]
-            await self.h._append(ToolCallCancelled(call_id, reason))
+        abandoned = list(self.h.record.pending_calls.values())
+        for pending in abandoned:
+            await self.h._append(ToolCallCancelled(pending.call_id, reason))
+        await self.h._flush()  # in doubt is recorded before anyone is asked to cancel
+        for pending in abandoned:
             with contextlib.suppress(Exception):
                 op = self.h.record.operations[pending.operation_id]
                 await self.h.ports.tools.cancel(pending.tool, op.effect_key)
@@ -243,6 +246,7 @@ class ToolStage:
         repeat_safe = contract.repeat in (RepeatContract.IDEMPOTENT, RepeatContract.DEDUPLICATED)
         try:
             while True:
+                await self.h._flush()  # the guard may queue us: what is decided so far is durable first
                 try:
                     permit = await self.h.ports.guard.admit(contract.dependency_scope, call_id, deadline)
                 except PolicyRefusal as e:
@@ -277,6 +281,7 @@ class ToolStage:
                         )
                     )
                     approval_digest = None  # the approval is consumed by the first dispatch
+                    await self.h._flush()  # intent before effect: durable before the call is sent
                     if contract.sandbox_pool:
                         sandbox_permit = await self.h.ports.admission.acquire_sandbox(
                             self.h.trajectory_id,
@@ -307,12 +312,14 @@ class ToolStage:
                     return  # timed out or abandoned meanwhile: audited, never appended as a result
                 verdict = retry.decide(operation_id, outcome)
                 if verdict.verdict is Verdict.PROBE and contract.probe:
+                    await self.h._flush()
                     settlement = await self.h.ports.tools.probe(tool, key, deadline)
                     verdict = retry.after_probe(operation_id, settlement)
                     if settlement is not Settlement.UNKNOWN:
                         await self.h._append(OperationSettled(operation_id, settlement, "probe"))
                 if verdict.verdict is not Verdict.RETRY:
                     return
+                await self.h._flush()
                 await self.h.ports.clock.sleep(verdict.delay_s)
                 if self.h._kill.is_set() or self.h.record.state is not S.WAITING_TOOL:
                     return
@@ -340,6 +347,7 @@ class ToolStage:
                     self.run_operation(p.call_id, p.tool, args, None, op.operation_id)
                 )
             elif contract.probe:
+                await self.h._flush()
                 settlement = await self.h.ports.tools.probe(
                     p.tool, op.effect_key, self.h.ports.clock.wall() + self.h.config.tool_timeout_s
                 )

@@ -165,6 +165,9 @@ class Harness:
         self._control_arrived = asyncio.Event()
         self._changed = asyncio.Event()  # set on every append: waiters re-read the record
         self._tasks: set[asyncio.Future[None]] = set()
+        self._unflushed: list[tuple[TrajectoryRecord, Event, bytes]] = []
+        self._durable_record: TrajectoryRecord | None = None
+        self._durable_len = 0
         self._tools = ToolStage(self)
         self._gate = ApprovalGate(self)
         self._cancel_token: CancelToken | None = None
@@ -188,18 +191,40 @@ class Harness:
         return tuple(self._events)
 
     async def _append(self, event: Event) -> TrajectoryRecord:
-        """Validate, append durably, then adopt: the only way the record changes."""
+        """Validate and adopt ``event``; it becomes durable at the next flush, which always happens
+        before the next effect or wait (intent before effect). The only way the record changes."""
         async with self._lock:
-            return await self._append_locked(event)
+            return self._stage(event)
 
-    async def _append_locked(self, event: Event) -> TrajectoryRecord:
+    def _stage(self, event: Event) -> TrajectoryRecord:
         nxt = start(event) if isinstance(event, TrajectoryCreated) else apply(self.record, event)
-        await self.ports.log.append(self.trajectory_id, encode(event))
+        self._unflushed.append((nxt, event, encode(event)))
         self._record = nxt
         self._events.append(event)
         self._changed.set()
-        self.hooks.on_event(nxt, event)
         return nxt
+
+    async def _flush(self) -> None:
+        """Make every staged event durable in one batch (one acknowledgement, one fsync)."""
+        async with self._lock:
+            await self._flush_locked()
+
+    async def _flush_locked(self) -> None:
+        if not self._unflushed:
+            return
+        batch, self._unflushed = self._unflushed, []
+        try:
+            await self.ports.log.append_many(self.trajectory_id, [payload for _, _, payload in batch])
+        except BaseException:
+            # Nothing outside happened after these events (flushes precede effects), so the durable
+            # record is the truth: forget what was not written, then let the caller see the failure.
+            self._record = self._durable_record
+            del self._events[self._durable_len :]
+            raise
+        self._durable_record = self._record
+        self._durable_len = len(self._events)
+        for record, event, _ in batch:
+            self.hooks.on_event(record, event)
 
     async def create(self, created: TrajectoryCreated, goal_message: str | None = None) -> TrajectoryRecord:
         """Start a new trajectory, or fold an existing log with the same id (idempotent create)."""
@@ -207,6 +232,7 @@ class Harness:
             return await self.recover()
         await self._append(created)
         await self._append(ObservationAppended(ObservationKind.USER, goal_message or created.contract.goal))
+        await self._flush()
         return self.record
 
     async def recover(self) -> TrajectoryRecord:
@@ -215,6 +241,7 @@ class Harness:
         events = [decode(payload) for _, payload in entries]
         self._record = fold(events)
         self._events = events
+        self._durable_record, self._durable_len = self._record, len(events)
         self._tools.replay_watchdog(events)  # a restart must not reset loop detection
         return self._record
 
@@ -238,7 +265,8 @@ class Harness:
             decision = on_control(self.record, message_id, action, issuer, reason, payload)
             if decision is None:
                 return "duplicate"
-            await self._append_locked(decision)
+            self._stage(decision)
+            await self._flush_locked()  # durably recorded before the relay may acknowledge it
         if isinstance(decision, ControlRejected):
             return "rejected"
         if action in _ABORTING and self._cancel_token is not None:
@@ -255,7 +283,8 @@ class Harness:
         async with self._lock:
             if message_id in self.record.seen_control_ids:
                 return False
-            await self._append_locked(ControlRejected(message_id, reason, detail))
+            self._stage(ControlRejected(message_id, reason, detail))
+            await self._flush_locked()
         return True
 
     def _pending(self, *actions: ControlAction) -> PendingControl | None:
@@ -265,6 +294,8 @@ class Harness:
 
     async def close(self) -> None:
         """Cancel every task this harness started (the actor is going away)."""
+        with contextlib.suppress(Exception):
+            await self._flush()
         tasks = [t for t in self._tasks if not t.done()]
         for t in tasks:
             t.cancel()
@@ -281,6 +312,14 @@ class Harness:
 
     async def run(self) -> RunOutcome:
         """Run until the trajectory is terminal (or hibernates while waiting for a person)."""
+        try:
+            return await self._run()
+        finally:
+            if self._unflushed:
+                with contextlib.suppress(Exception):
+                    await self._flush()
+
+    async def _run(self) -> RunOutcome:
         while not self.record.is_terminal:
             state = self.record.state
             if state is S.READY:
@@ -367,6 +406,7 @@ class Harness:
 
     async def _unless_control(self, work: asyncio.Future[Any], actions: frozenset[ControlAction]) -> Any:
         """Await ``work`` unless one of ``actions`` is or becomes pending; then cancel it, return None."""
+        await self._flush()  # about to wait: everything decided so far is durable first
         while True:
             if self._pending(*actions) is not None:
                 work.cancel()
@@ -426,6 +466,7 @@ class Harness:
 
     async def _wait_for_control(self, timeout: float | None) -> bool:
         """Wait for a control message (or ``timeout`` seconds on the clock). False on timeout."""
+        await self._flush()
         self._control_arrived.clear()
         waiter = asyncio.ensure_future(self._control_arrived.wait())
         if timeout is None:
@@ -516,6 +557,7 @@ class Harness:
         if self._pending(*_ABORTING) is not None:
             token.cancel("control pending")
         try:
+            await self._flush()  # intent before effect: the call's intent is durable before it is sent
             reply = await self.ports.model.complete(request, token)
         except ModelCallCancelled as e:
             usage = e.usage if isinstance(e.usage, Usage) else Usage()
