@@ -15,7 +15,9 @@ Issue 4, "Transport" (and ARCHITECTURE.md, "Control protocol"):
   it: the actor is re-created, folds its log, records the message and is told to run on.
 
 ``Relay`` is the loop with its ports injected (unit-testable without Ray or Redis); ``RelayActor`` is the
-thin Ray shell and ``start_relays`` the helper the runner calls.
+thin Ray shell and ``start_relays`` the helper the runner calls. The Redis transport and the audit sink
+come from the injected ``actors.ports.ClusterPorts`` (``cluster.adapters``): this module never imports
+``cluster``.
 """
 
 from __future__ import annotations
@@ -31,11 +33,16 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.control import Claimed, ControlMessage, ControlStream, Delivery, encode_message
-from cluster.embedded import redis_errors
+from actors.ports import (
+    AuditEntry,
+    AuditSink,
+    ClusterPorts,
+    ControlEnvelope,
+    RelayDelivery,
+    RelayStream,
+)
 from runtime.clock import Clock, SystemClock
 from runtime.errors import DependencyError
 
@@ -43,13 +50,13 @@ __all__ = [
     "AUDIT_STREAM",
     "DEFAULT_GROUP",
     "NAMESPACE",
+    "UNKNOWN",
     "AuditEntry",
     "AuditReason",
     "AuditSink",
     "DeliveryPort",
     "HandleResult",
     "RayTrajectoryDirectory",
-    "RedisAudit",
     "Relay",
     "RelayActor",
     "RelayConfig",
@@ -97,51 +104,6 @@ class AuditReason(StrEnum):
     REJECTED = "REJECTED"
 
 
-@dataclass(frozen=True, slots=True)
-class AuditEntry:
-    """One line of ``tether:audit``: what arrived, why it was not applied, and who noticed."""
-
-    reason: str
-    detail: str
-    entry_id: str
-    relay: str
-    at: float
-    message_id: str = ""
-    trajectory_id: str = ""
-    action: str = ""
-    issuer: str = ""
-
-    def to_fields(self) -> dict[str | bytes, str | bytes]:
-        return {k: str(v) for k, v in self.as_dict().items()}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "reason": self.reason,
-            "detail": self.detail,
-            "entry_id": self.entry_id,
-            "relay": self.relay,
-            "at": self.at,
-            "message_id": self.message_id,
-            "trajectory_id": self.trajectory_id,
-            "action": self.action,
-            "issuer": self.issuer,
-        }
-
-    @classmethod
-    def from_fields(cls, fields: Mapping[str, str]) -> AuditEntry:
-        return cls(
-            reason=fields.get("reason", ""),
-            detail=fields.get("detail", ""),
-            entry_id=fields.get("entry_id", ""),
-            relay=fields.get("relay", ""),
-            at=float(fields.get("at") or 0.0),
-            message_id=fields.get("message_id", ""),
-            trajectory_id=fields.get("trajectory_id", ""),
-            action=fields.get("action", ""),
-            issuer=fields.get("issuer", ""),
-        )
-
-
 class HandleResult(StrEnum):
     """What the relay did with one entry."""
 
@@ -153,26 +115,7 @@ class HandleResult(StrEnum):
 # --------------------------------------------------------------------------- ports
 
 
-class StreamPort(Protocol):
-    """The part of ``cluster.control.ControlStream`` a relay uses."""
-
-    async def ensure_group(self, group: str, *, start_id: str = "0") -> bool: ...
-
-    async def read(
-        self,
-        group: str,
-        consumer: str,
-        *,
-        count: int = 16,
-        block_ms: int | None = None,
-        pending: bool = False,
-    ) -> list[Delivery]: ...
-
-    async def ack(self, group: str, *entry_ids: str) -> int: ...
-
-    async def claim_stale(
-        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
-    ) -> Claimed: ...
+StreamPort = RelayStream  # the control stream as a relay reads it (``actors.ports``)
 
 
 class DeliveryPort(Protocol):
@@ -184,10 +127,6 @@ class DeliveryPort(Protocol):
     """
 
     async def deliver(self, trajectory_id: str, data: bytes) -> str: ...
-
-
-class AuditSink(Protocol):
-    async def write(self, entry: AuditEntry) -> None: ...
 
 
 class TargetGone(DependencyError):
@@ -257,21 +196,21 @@ class Relay:
         await self.handle_batch(claimed.deliveries)
         return len(claimed.deliveries)
 
-    async def handle_batch(self, deliveries: list[Delivery]) -> None:
+    async def handle_batch(self, deliveries: list[RelayDelivery]) -> None:
         """Handle a batch: different trajectories concurrently, one trajectory's messages in stream order
         (a pause followed by a resume must arrive in that order), each entry acked on its own answer."""
-        lanes: dict[str, list[Delivery]] = {}
+        lanes: dict[str, list[RelayDelivery]] = {}
         for d in deliveries:
-            lane = d.message.trajectory_id if d.message is not None else f"(entry {d.entry_id})"
+            lane = d.envelope.trajectory_id if d.envelope is not None else f"(entry {d.entry_id})"
             lanes.setdefault(lane, []).append(d)
 
-        async def run_lane(lane: list[Delivery]) -> None:
+        async def run_lane(lane: list[RelayDelivery]) -> None:
             for d in lane:
                 await self.handle(d)
 
         await asyncio.gather(*(run_lane(lane) for lane in lanes.values()))
 
-    async def handle(self, delivery: Delivery) -> HandleResult:
+    async def handle(self, delivery: RelayDelivery) -> HandleResult:
         """Deliver one entry; ack unless the actor could not answer."""
         result = await self._handle(delivery)
         self.counts[result.value] += 1
@@ -279,17 +218,15 @@ class Relay:
             await self.stream.ack(self.config.group, delivery.entry_id)
         return result
 
-    async def _handle(self, delivery: Delivery) -> HandleResult:
-        message = delivery.message
+    async def _handle(self, delivery: RelayDelivery) -> HandleResult:
+        message = delivery.envelope
         if message is None:
-            reason = AuditReason.MALFORMED
-            if delivery.error is not None and "no message" in str(delivery.error):
-                reason = AuditReason.TRIMMED
+            reason = AuditReason.TRIMMED if delivery.trimmed else AuditReason.MALFORMED
             await self._audit(reason, str(delivery.error), delivery.entry_id)
             return HandleResult.AUDITED
         try:
             answer = await asyncio.wait_for(
-                self.targets.deliver(message.trajectory_id, encode_message(message)),
+                self.targets.deliver(message.trajectory_id, message.data),
                 self.config.deliver_timeout_s,
             )
         except Exception as e:  # the actor did not answer: leave pending, XAUTOCLAIM retries
@@ -311,7 +248,7 @@ class Relay:
         return HandleResult.AUDITED
 
     async def _audit(
-        self, reason: str, detail: str, entry_id: str, message: ControlMessage | None = None
+        self, reason: str, detail: str, entry_id: str, message: ControlEnvelope | None = None
     ) -> None:
         entry = AuditEntry(
             reason=str(reason),
@@ -321,7 +258,7 @@ class Relay:
             at=self.clock.wall(),
             message_id=message.message_id if message else "",
             trajectory_id=message.trajectory_id if message else "",
-            action=str(message.action) if message else "",
+            action=message.action if message else "",
             issuer=message.issuer if message else "",
         )
         await self.audit.write(entry)
@@ -346,20 +283,6 @@ class Relay:
 
 
 # --------------------------------------------------------------------------- Redis + Ray adapters
-
-
-class RedisAudit:
-    """Audit entries on the ``tether:audit`` stream (trimmed with ``MAXLEN ~``)."""
-
-    def __init__(self, client: aioredis.Redis, *, url: str = "redis", maxlen: int = 100_000) -> None:
-        self._client = client
-        self._url = url
-        self._maxlen = maxlen
-
-    async def write(self, entry: AuditEntry) -> None:
-        with redis_errors(self._url, f"writing to {AUDIT_STREAM}"):
-            fields: Any = entry.to_fields()
-            await self._client.xadd(AUDIT_STREAM, fields, maxlen=self._maxlen, approximate=True)
 
 
 LaunchLoader = Callable[[str], Awaitable[Any | None]]
@@ -424,7 +347,7 @@ class RayTrajectoryDirectory:
             return answer
 
 
-def _default_directory(redis_url: str) -> RayTrajectoryDirectory:
+def _default_directory(redis_url: str, adapters: ClusterPorts) -> RayTrajectoryDirectory:
     # imported late: the trajectory actor module is only needed where relays actually run
     trajectory = importlib.import_module("actors.trajectory")
 
@@ -432,38 +355,43 @@ def _default_directory(redis_url: str) -> RayTrajectoryDirectory:
         # load_launch is a blocking Redis GET: keep it off the relay's event loop
         return await asyncio.to_thread(trajectory.load_launch, redis_url, trajectory_id)
 
-    return RayTrajectoryDirectory(load_launch=load, ensure_actor=trajectory.ensure_actor)
+    def ensure(launch: Any) -> Any:
+        return trajectory.ensure_actor(launch, adapters)
+
+    return RayTrajectoryDirectory(load_launch=load, ensure_actor=ensure)
 
 
 class RelayActor:
-    """Ray shell around ``Relay`` (async actor, ``num_cpus=0``). The loop starts in ``__init__``'s first
-    call to ``start()`` and runs until ``stop()`` or the actor is killed."""
+    """Ray shell around ``Relay`` (async actor, ``num_cpus=0``). The loop starts on the first call to
+    ``start()`` and runs until ``stop()`` or the actor is killed. ``adapters`` supplies the control stream
+    and the audit sink (``cluster.adapters.ClusterAdapters``), and is handed on to woken trajectories."""
 
     def __init__(
         self,
         name: str,
         redis_url: str,
+        adapters: ClusterPorts,
         config: dict[str, Any] | None = None,
         directory: Any | None = None,
     ) -> None:
         self._name = name
         self._redis_url = redis_url
+        self._adapters = adapters
         self._config = RelayConfig.model_validate(config or {})
         self._directory = directory
         self._relay: Relay | None = None
         self._task: asyncio.Task[None] | None = None
-        self._stream: ControlStream | None = None
-        self._client: aioredis.Redis | None = None
+        self._stream: RelayStream | None = None
+        self._audit: AuditSink | None = None
 
     async def start(self) -> bool:
         """Start the loop (idempotent); True once the group exists and the loop runs."""
         if self._task is not None and not self._task.done():
             return True
-        self._stream = ControlStream.from_url(self._redis_url, socket_timeout=30.0)
-        self._client = aioredis.Redis.from_url(self._redis_url, socket_timeout=30.0)
-        directory = self._directory or _default_directory(self._redis_url)
-        audit = RedisAudit(self._client, url=self._redis_url, maxlen=self._config.audit_maxlen)
-        self._relay = Relay(self._name, self._stream, directory, audit, self._config)
+        self._stream = self._adapters.relay_stream(self._redis_url)
+        self._audit = self._adapters.audit_sink(self._redis_url, self._config.audit_maxlen)
+        directory = self._directory or _default_directory(self._redis_url, self._adapters)
+        self._relay = Relay(self._name, self._stream, directory, self._audit, self._config)
         await self._relay.start()
         self._task = asyncio.get_running_loop().create_task(self._relay.run_forever())
         return True
@@ -475,10 +403,12 @@ class RelayActor:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._task, self._config.block_ms / 1000 + 5.0)
-        for closer in (self._stream, self._client):
+        for closer in (self._stream, self._audit):
             if closer is not None:
-                await closer.aclose() if isinstance(closer, aioredis.Redis) else await closer.close()
-        self._stream = self._client = None
+                with contextlib.suppress(Exception):  # best effort: the connection may already be gone
+                    await closer.close()
+        self._stream = None
+        self._audit = None
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
@@ -494,14 +424,16 @@ def start_relays(
     redis_url: str,
     n: int = 1,
     *,
+    adapters: ClusterPorts,
     config: RelayConfig | Mapping[str, Any] | None = None,
     first: int = 0,
     directory: Any | None = None,
 ) -> list[Any]:
     """Start (or find) ``relay:<first>`` .. ``relay:<first+n-1>`` and return their handles once running.
 
-    Needs ``ray.init`` done. ``directory`` replaces the trajectory lookup (tests); by default each relay
-    resolves ``traj:<id>`` and wakes hibernated trajectories through ``actors.trajectory``.
+    Needs ``ray.init`` done. ``adapters`` is the cluster layer's implementation of ``actors.ports``
+    (``cluster.adapters.ClusterAdapters()``). ``directory`` replaces the trajectory lookup (tests); by
+    default each relay resolves ``traj:<id>`` and wakes hibernated trajectories through ``actors.trajectory``.
     """
     import ray
 
@@ -517,7 +449,7 @@ def start_relays(
             num_cpus=0,
             max_concurrency=1000,
             lifetime=None,
-        ).remote(relay_name(i), redis_url, cfg.model_dump(), directory)
+        ).remote(relay_name(i), redis_url, adapters, cfg.model_dump(), directory)
         for i in range(first, first + n)
     ]
     ray.get([h.start.remote() for h in handles])

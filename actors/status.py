@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from cluster.control import ControlStream, LiveEvent
+from actors.ports import LiveEventSink
 from runtime.budget import Dimension
 from runtime.clock import Clock
 from runtime.events import Event, ModelCallSettled, StateChanged, ToolCallHeld
@@ -88,7 +88,7 @@ class StatusPublisher:
     """Coalescing writer of one trajectory's snapshot and live events (a ``HarnessHooks.on_event`` sink)."""
 
     def __init__(
-        self, client: aioredis.Redis, events: ControlStream, trajectory_id: str, clock: Clock
+        self, client: aioredis.Redis, events: LiveEventSink, trajectory_id: str, clock: Clock
     ) -> None:
         self._client = client
         self._events = events
@@ -97,7 +97,7 @@ class StatusPublisher:
         self._clock = clock
         self._latest: TrajectoryRecord | None = None
         self._hibernated = False
-        self._live: list[LiveEvent] = []
+        self._live: list[tuple[float, dict[str, Any]]] = []  # (at, data) of state changes not yet published
         self._dirty = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -108,11 +108,9 @@ class StatusPublisher:
             return
         if isinstance(event, StateChanged):
             self._live.append(
-                LiveEvent(
-                    trajectory_id=self._trajectory_id,
-                    kind="state",
-                    at=self._clock.wall(),
-                    data={
+                (
+                    self._clock.wall(),
+                    {
                         "from": event.from_state.value,
                         "to": event.to_state.value,
                         "reason": event.reason,
@@ -138,10 +136,13 @@ class StatusPublisher:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     async def close(self) -> None:
+        """Stop the writer and close the live-event sink (this publisher owns it)."""
         if self._writer is not None:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._writer
+        with contextlib.suppress(Exception):  # best effort: the process may be exiting
+            await self._events.close()
 
     async def _write_forever(self) -> None:
         while True:
@@ -153,8 +154,8 @@ class StatusPublisher:
                 if record is not None:
                     fields = status_fields(record, hibernated=hibernated, now=self._clock.wall())
                     await self._client.hset(self._key, mapping=dict[Any, Any](fields))
-                for event in live:
-                    await self._events.publish_event(event)
+                for at, data in live:
+                    await self._events.publish(self._trajectory_id, "state", at, data)
             except Exception as e:  # a view that cannot be written is logged, never fatal
                 _log.warning("status of %s not written: %r", self._trajectory_id, e)
             if not self._dirty.is_set():

@@ -31,14 +31,12 @@ import ray
 import redis.asyncio as aioredis
 
 from actors.launch import TrajectoryLaunch, load_launch, save_launch
+from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier
 from actors.sandbox import Sandbox
 from actors.status import StatusPublisher, summarize
 from actors.tools_local import LOCAL_SCOPE
 from actors.wiring import BuiltPorts, SplitGuard, build_config, build_created, build_ports, build_registry
 from breakers.inprocess import InProcessGuard
-from cluster.control import ControlAction as WireAction
-from cluster.control import ControlMessage, ControlStream, decode_message
-from cluster.signing import Keyring, RejectReason, Verifier, keyring_path
 from runtime.clock import SystemClock
 from runtime.dispatch import NoGuard
 from runtime.errors import CodecError, ControlError
@@ -88,10 +86,18 @@ class _Hooks:
 
 
 class TrajectoryActor:
-    """The Ray actor body (wrapped by ``ray.remote`` in ``ensure_actor``). Construct with a launch's JSON."""
+    """The Ray actor body (wrapped by ``ray.remote`` in ``ensure_actor``).
 
-    def __init__(self, launch_json: str) -> None:
+    Construct with a launch's JSON and the cluster layer's ports (``actors.ports.ClusterPorts``, in
+    practice ``cluster.adapters.ClusterAdapters()``): the log store, the live-event sink and the control
+    verifier come from there, so this module never imports ``cluster``.
+    """
+
+    def __init__(self, launch_json: str, adapters: ClusterPorts) -> None:
         self.launch = TrajectoryLaunch.from_json(launch_json)
+        self._adapters = adapters
+        self._verifier: ControlVerifier | None = None  # one per incarnation: it caches the keyring
+        self._inflight: dict[str, asyncio.Future[str]] = {}  # message id -> the delivery answering it
         self._clock = SystemClock()
         self._start_lock = asyncio.Lock()
         self._harness: Harness | None = None
@@ -122,18 +128,42 @@ class TrajectoryActor:
             # about to exit for hibernation: the relay must deliver again to the re-created actor
             raise RuntimeError(f"{actor_name(self.launch.trajectory_id)} is hibernating; deliver again")
         harness = await self._started()
+        verifier = self._control_verifier()
         try:
-            msg = decode_message(message)
+            msg = verifier.decode(message)
         except CodecError as e:
             _log.warning("undecodable control message for %s: %s", self.launch.trajectory_id, e)
-            return f"rejected:{RejectReason.MALFORMED.value}"
+            return f"rejected:{MALFORMED}"
         if msg.message_id in harness.record.seen_control_ids:
             return "duplicate"
+        inflight = self._inflight.get(msg.message_id)
+        if inflight is not None:
+            # The same message is being delivered right now (two relays, or a redelivery): whatever the
+            # first delivery answers, this one is its duplicate, never a second record or a "replay".
+            first = await asyncio.shield(inflight)
+            return "duplicate" if first in ("recorded", "duplicate") else first
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._inflight[msg.message_id] = future
+        try:
+            answer = await self._deliver_new(harness, verifier, msg)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: a failure nobody else waits on must not be logged as lost
+            raise
+        else:
+            future.set_result(answer)
+            return answer
+        finally:
+            del self._inflight[msg.message_id]
+
+    async def _deliver_new(self, harness: Harness, verifier: ControlVerifier, msg: ControlEnvelope) -> str:
         if msg.trajectory_id != self.launch.trajectory_id:
             await self._audit(harness, msg, "WRONG_TRAJECTORY", f"addressed to {msg.trajectory_id}")
             return "rejected:WRONG_TRAJECTORY"
         nonce_used = bool(await self._client().sismember(self._nonce_key, msg.nonce))
-        verifier = Verifier(Keyring.load(self._keyring_path()))
         try:
             verified = verifier.verify(
                 msg,
@@ -144,13 +174,11 @@ class TrajectoryActor:
             await self._audit(harness, msg, e.reason, str(e))
             return f"rejected:{e.reason}"
         payload: dict[str, Any] = dict(msg.payload)
-        if msg.action in (WireAction.APPROVE, WireAction.DENY):
-            # the harness binds an approval to the held call's digest and counts distinct signers
-            payload["digest"] = msg.payload.get("call_digest")
+        action = ControlAction(msg.action)
+        if action in (ControlAction.APPROVE, ControlAction.DENY):
+            # the approval gate reads payload["call_digest"] itself and counts distinct signers
             payload["issuers"] = list(verified.signers)
-        answer = await harness.deliver_control(
-            msg.message_id, ControlAction(msg.action.value), msg.issuer, msg.reason, payload
-        )
+        answer = await harness.deliver_control(msg.message_id, action, msg.issuer, msg.reason, payload)
         if answer == "rejected":
             return "rejected:TRAJECTORY_TERMINAL"
         if answer == "recorded":
@@ -197,10 +225,12 @@ class TrajectoryActor:
             self._redis = aioredis.Redis.from_url(self.launch.redis_url, socket_timeout=10.0)
         return self._redis
 
-    def _keyring_path(self) -> Path:
-        return Path(self.launch.keyring_path) if self.launch.keyring_path else keyring_path()
+    def _control_verifier(self) -> ControlVerifier:
+        if self._verifier is None:
+            self._verifier = self._adapters.control_verifier(self.launch.keyring_path)
+        return self._verifier
 
-    async def _audit(self, harness: Harness, msg: ControlMessage, reason: str, detail: str) -> None:
+    async def _audit(self, harness: Harness, msg: ControlEnvelope, reason: str, detail: str) -> None:
         if await harness.reject_control(msg.message_id, reason, detail[:500]) and self._status is not None:
             self._status.show(harness.record)
 
@@ -214,8 +244,10 @@ class TrajectoryActor:
             launch = self.launch
             registry = build_registry(launch)
             guard = self._guard()
-            self._built = build_ports(launch, self._clock, admission=self._admission(), guard=guard)
-            events = ControlStream(self._client(), url=launch.redis_url)
+            self._built = build_ports(
+                launch, self._clock, admission=self._admission(), guard=guard, logs=self._adapters
+            )
+            events = self._adapters.live_events(launch.redis_url)
             self._status = StatusPublisher(self._client(), events, launch.trajectory_id, self._clock)
             sandbox = (
                 Sandbox(launch.trajectory_id, Path(launch.workspace_root)) if launch.workspace_root else None
@@ -272,7 +304,9 @@ class TrajectoryActor:
         if outcome.hibernated:
             await self._shutdown()
             me = ray.get_runtime_context().current_actor
-            me.exit_hibernated.remote()
+            # No retries: the actor's max_task_retries=-1 would otherwise resubmit this call when the exit
+            # it causes is seen as a failure (log noise about infinite retries, then "dead actor").
+            me.exit_hibernated.options(max_task_retries=0).remote()
         return outcome
 
     async def _shutdown(self) -> None:
@@ -290,8 +324,12 @@ class TrajectoryActor:
 _RemoteTrajectory: Any = ray.remote(TrajectoryActor)
 
 
-def ensure_actor(launch: TrajectoryLaunch) -> Any:
-    """The actor ``traj:<id>``: the live one if it exists, else a new one built from ``launch``."""
+def ensure_actor(launch: TrajectoryLaunch, adapters: ClusterPorts) -> Any:
+    """The actor ``traj:<id>``: the live one if it exists, else a new one built from ``launch``.
+
+    ``adapters`` is the cluster layer's implementation of ``actors.ports.ClusterPorts``
+    (``cluster.adapters.ClusterAdapters()``); it is pickled into the actor's constructor arguments.
+    """
     if launch.resources is not None:
         resources = dict(launch.resources)
     elif ray.cluster_resources().get(TRAJECTORY_RESOURCE, 0) > 0:  # type: ignore[no-untyped-call]
@@ -306,4 +344,4 @@ def ensure_actor(launch: TrajectoryLaunch) -> Any:
         max_restarts=-1,
         max_task_retries=-1,
         resources=resources,
-    ).remote(launch.to_json())
+    ).remote(launch.to_json(), adapters)

@@ -19,14 +19,15 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from actors.contracts import testbed_contracts
 from actors.launch import TrajectoryLaunch
 from actors.model_openai import OpenAIModel
+from actors.ports import ClosableLogStore
 from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
 from breakers.retry import AttemptResult, RetryAction, RetryDecision, RetryOwner, RetryPolicy
-from cluster.log_store import RedisLogStore
 from runtime.clock import Clock
 from runtime.dispatch import NoGuard, RetryVerdict, Verdict
 from runtime.errors import InputError
@@ -47,6 +48,7 @@ from runtime.tools import RepeatContract, SideEffect, ToolRegistry, UnknownTool
 
 __all__ = [
     "BuiltPorts",
+    "LogStoreFactory",
     "RetryOwnerPort",
     "RoutedToolPort",
     "SplitGuard",
@@ -256,19 +258,27 @@ class BuiltPorts:
                 await closer()
 
 
+class LogStoreFactory(Protocol):
+    """Opens the durable log store (``actors.ports.ClusterPorts.open_log``)."""
+
+    def open_log(self, redis_url: str) -> ClosableLogStore: ...
+
+
 def build_ports(
     launch: TrajectoryLaunch,
     clock: Clock,
     *,
     admission: AdmissionPort,
+    logs: LogStoreFactory,
     guard: GuardPort | None = None,
     env: Mapping[str, str] | None = None,
 ) -> BuiltPorts:
     """Log store, model, tools and retry owner for ``launch``; admission and guard are chosen by the caller
-    (the actor knows whether a scheduler actor exists and whether it runs inside Ray)."""
+    (the actor knows whether a scheduler actor exists and whether it runs inside Ray), the log store comes
+    from ``logs`` (the cluster layer, injected)."""
     env = os.environ if env is None else env
     closers: list[Closer] = []
-    log = RedisLogStore.from_url(launch.redis_url)
+    log = logs.open_log(launch.redis_url)
     closers.append(log.close)
     model = OpenAIModel(
         base_url=launch.provider.base_url,

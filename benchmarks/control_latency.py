@@ -40,6 +40,7 @@ from actors.relay import start_relays, stop_relays
 from actors.sandbox import Sandbox
 from actors.trajectory import NONCE_KEY_PREFIX, TrajectoryLaunch, ensure_actor, save_launch
 from benchmarks._common import environment, percentile, write_json, write_plot
+from cluster.adapters import ClusterAdapters
 from cluster.control import ControlAction
 from cluster.control_client import LAUNCH_PREFIX, ControlClient, status_key
 from cluster.log_store import FIELD, log_key
@@ -92,7 +93,7 @@ class Fleet:
             hibernate_after_s=hibernate_after_s,
         )
         save_launch(self.url, launch)
-        self.runs.append(ensure_actor(launch).run.remote())
+        self.runs.append(ensure_actor(launch, ClusterAdapters()).run.remote())
         self.cursors[tid] = "0-0"
         return tid
 
@@ -301,7 +302,7 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     relays: list[Any] = []
     fleet = Fleet(server.url, provider.base_url, keyring)
     try:
-        relays = start_relays(server.url, 2, config={"block_ms": 100})
+        relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         t0 = time.perf_counter()
         tids = [fleet.launch("bench") for _ in range(n)]
         await fleet.wait_status(tids, lambda s: s.turns >= 1, "their first turn")

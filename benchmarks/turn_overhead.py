@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from actors.status import StatusPublisher
 from actors.tools_local import LOCAL_SCOPE, LocalTool, LocalToolPort
 from benchmarks._common import environment, percentile, summarize_ms, write_json, write_plot
+from cluster.adapters import LiveEvents
 from cluster.control import ControlStream
 from cluster.log_store import RedisLogStore
 from cluster.redis_server import RedisServer
@@ -253,7 +254,7 @@ class BenchTrajectory:
         probe = _Probe(log, admission, model, tools)
         # the production shell's status view rides along (its writes are off the turn's path, on its loop)
         client = aioredis.Redis.from_url(self.redis_url)
-        status = StatusPublisher(client, ControlStream(client), trajectory_id, clock)
+        status = StatusPublisher(client, LiveEvents(ControlStream(client)), trajectory_id, clock)
         ports = HarnessPorts(model=model, tools=tools, log=log, admission=admission, clock=clock)
         config = HarnessConfig(provider_key=PROVIDER_KEY, prices=PriceTable(3.0, 0.3, 15.0))
         harness = Harness(trajectory_id, ports, registry, config, _Both(probe, status))

@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
 from actors.status import status_key
+from cluster.adapters import ClusterAdapters
 from cluster.embedded import REDIS_URL_ENV, redis_url_from_env, stop_embedded, tether_home
 from cluster.workload import ToolSource, TrajectorySpec, Workload
 from runtime.errors import DependencyError
@@ -348,9 +349,15 @@ Progress = Callable[[dict[str, int], int], None]  # (state counts, total)
 class Driver:
     """Creates the actors, waits for every trajectory, samples their status for progress and timeline."""
 
-    def __init__(self, launches: Sequence[tuple[TrajectorySpec, TrajectoryLaunch]], redis_url: str) -> None:
+    def __init__(
+        self,
+        launches: Sequence[tuple[TrajectorySpec, TrajectoryLaunch]],
+        redis_url: str,
+        adapters: ClusterAdapters | None = None,
+    ) -> None:
         self.launches = list(launches)
         self.redis_url = redis_url
+        self.adapters = adapters or ClusterAdapters()
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.poll_s = 0.25
         self.handles: dict[str, Any] = {}
@@ -378,7 +385,7 @@ class Driver:
 
         from actors.trajectory import ensure_actor
 
-        handle = ensure_actor(launch)
+        handle = ensure_actor(launch, self.adapters)
         self.handles[launch.trajectory_id] = handle  # kept until the run ends: the actor lives as long
         error: str | None = None
         summary: dict[str, Any] = {}
@@ -397,7 +404,7 @@ class Driver:
             if not summary.get("hibernated"):
                 break
             await self._until_woken(client, launch.trajectory_id)
-            handle = self.handles[launch.trajectory_id] = ensure_actor(launch)
+            handle = self.handles[launch.trajectory_id] = ensure_actor(launch, self.adapters)
         if error is not None:
             status = await self._status(client, launch.trajectory_id)
             summary = {

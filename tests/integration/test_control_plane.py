@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from actors.launch import CheckLaunch, ProviderLaunch
 from actors.relay import start_relays, stop_relays
 from actors.trajectory import TrajectoryLaunch, ensure_actor, save_launch
+from cluster.adapters import ClusterAdapters
 from cluster.control import ControlAction, ControlMessage, ControlStream
 from cluster.control_client import ControlClient, TrajectoryStatus
 from cluster.log_store import RedisLogStore
@@ -130,7 +131,7 @@ class Plane:
         }
         launch = TrajectoryLaunch(**fields)
         save_launch(self.url, launch)
-        self.runs[tid] = ensure_actor(launch).run.remote()
+        self.runs[tid] = ensure_actor(launch, ClusterAdapters()).run.remote()
         self.launched.append(tid)
         return tid
 
@@ -183,7 +184,7 @@ class Plane:
 async def plane(redis_url: str, keys: Keys, provider: ProviderThread) -> AsyncIterator[Plane]:
     provider.reset()
     provider.configure(tokens_per_s=0.0, ttft_ms=0.0)
-    relays = start_relays(redis_url, 2, config=RELAY_CONFIG)
+    relays = start_relays(redis_url, 2, adapters=ClusterAdapters(), config=RELAY_CONFIG)
     client = ControlClient.from_url(redis_url, keyring=keys.path)
     p = Plane(redis_url, keys, provider, client, relays)
     try:

@@ -17,6 +17,7 @@ import ray
 import redis.asyncio as aioredis
 
 from actors.relay import DEFAULT_GROUP, start_relays, stop_relays
+from cluster.adapters import ClusterAdapters
 from cluster.control import CONTROL_STREAM, ControlAction, ControlStream, encode_message
 from cluster.control_client import ControlClient
 from runtime.events import ControlRequested, ObservationAppended, ObservationKind
@@ -81,7 +82,9 @@ async def _settled(url: str) -> bool:
 
 async def test_a_dead_relays_undelivered_messages_are_delivered_once_by_another(plane: Plane) -> None:
     # Given a paused trajectory and one relay, blocked in its read of the control stream
-    plane.relays += start_relays(plane.url, 1, config={"block_ms": 10_000, "claim_idle_ms": 60_000})
+    plane.relays += start_relays(
+        plane.url, adapters=ClusterAdapters(), n=1, config={"block_ms": 10_000, "claim_idle_ms": 60_000}
+    )
     tid = plane.launch("finish_after:2")
     await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
     await plane.client.pause(tid, issuer="alice")
@@ -105,7 +108,13 @@ async def test_a_dead_relays_undelivered_messages_are_delivered_once_by_another(
     await raw.aclose()
     assert [p["consumer"] for p in pending] == [b"relay:0"] * 3  # read by relay:0, never acked
     ray.kill(dead, no_restart=True)
-    plane.relays += start_relays(plane.url, 1, first=1, config={"claim_idle_ms": 500, "claim_every_s": 0.1})
+    plane.relays += start_relays(
+        plane.url,
+        adapters=ClusterAdapters(),
+        n=1,
+        first=1,
+        config={"claim_idle_ms": 500, "claim_every_s": 0.1},
+    )
     await eventually(lambda: _settled(plane.url), "relay:1 to deliver and ack relay:0's entries")
 
     # Then each interrupt is recorded exactly once on the trajectory ...
@@ -124,7 +133,7 @@ async def test_a_dead_relays_undelivered_messages_are_delivered_once_by_another(
 
 async def test_one_message_delivered_twice_changes_the_record_once(plane: Plane) -> None:
     # Given a paused trajectory and two relays
-    plane.relays += start_relays(plane.url, 2, config={"block_ms": 100})
+    plane.relays += start_relays(plane.url, adapters=ClusterAdapters(), n=2, config={"block_ms": 100})
     tid = plane.launch("finish_after:2")
     await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
     await plane.client.pause(tid, issuer="alice")
@@ -149,7 +158,10 @@ async def test_one_message_delivered_twice_changes_the_record_once(plane: Plane)
 async def test_a_message_for_an_unknown_trajectory_is_audited_and_acked(plane: Plane) -> None:
     # Given a relay and no trajectory called "ghost"
     plane.relays += start_relays(
-        plane.url, 1, config={"block_ms": 100, "claim_idle_ms": 200, "claim_every_s": 0.05}
+        plane.url,
+        adapters=ClusterAdapters(),
+        n=1,
+        config={"block_ms": 100, "claim_idle_ms": 200, "claim_every_s": 0.05},
     )
     m = plane.client.build("ghost", ControlAction.KILL, issuer="alice", reason="who?")
 

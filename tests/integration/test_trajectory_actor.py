@@ -15,6 +15,7 @@ import ray
 
 from actors.launch import load_launch
 from actors.trajectory import actor_name, ensure_actor
+from cluster.adapters import ClusterAdapters
 from cluster.control import ControlMessage, encode_message
 from cluster.signing import Role, create_key, load_private_key, sign
 from runtime.events import (
@@ -244,7 +245,7 @@ async def test_hibernated_actor_exits_and_a_message_wakes_it(
     # When an approval arrives for it: re-created from its stored launch, it folds its log and records it
     stored = load_launch(redis_url, launch.trajectory_id)
     assert stored == launch
-    woken = ensure_actor(stored)
+    woken = ensure_actor(stored, ClusterAdapters())
     message = ControlMessage.create(
         launch.trajectory_id,
         "approve",

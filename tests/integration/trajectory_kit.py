@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from actors.launch import CheckLaunch, ProviderLaunch, TrajectoryLaunch, save_launch
 from actors.status import status_key
 from actors.trajectory import ensure_actor
+from cluster.adapters import ClusterAdapters
 from cluster.log_store import RedisLogStore
 from runtime.codec import decode
 from runtime.events import Event
@@ -59,7 +60,7 @@ def make_launch(
 
 def start(launch: TrajectoryLaunch) -> Any:
     """Create (or find) the actor of ``launch``."""
-    return ensure_actor(launch)
+    return ensure_actor(launch, ClusterAdapters())
 
 
 async def events_of(redis_url: str, trajectory_id: str) -> list[Event]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from actors.relay import UNKNOWN, AuditEntry
-from cluster.control import Claimed, ControlMessage, Delivery, decode_message, encode_message
+from actors.ports import AuditEntry, RelayClaim, RelayDelivery
+from actors.relay import UNKNOWN
+from cluster.adapters import relay_delivery
+from cluster.control import ControlMessage, Delivery, decode_message, encode_message
 from runtime.clock import FakeClock
 from runtime.errors import CodecError
 
@@ -51,7 +53,7 @@ class FakeStream:
         count: int = 16,
         block_ms: int | None = None,
         pending: bool = False,
-    ) -> list[Delivery]:
+    ) -> list[RelayDelivery]:
         assert group in self.groups, "read before ensure_group"
         if pending:
             ids = [e for e, p in self.pel.items() if p.owner == consumer][:count]
@@ -72,20 +74,24 @@ class FakeStream:
 
     async def claim_stale(
         self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
-    ) -> Claimed:
+    ) -> RelayClaim:
         now = self.clock.now()
         stale = [e for e, p in self.pel.items() if (now - p.since) * 1000 >= min_idle_ms][:count]
         for e in stale:
             p = self.pel[e]
             self.pel[e] = _Pending(consumer, now, p.deliveries + 1)
-        return Claimed([self._delivery(e) for e in stale], "0-0", [])
+        return RelayClaim([self._delivery(e) for e in stale], "0-0", [])
 
-    def _delivery(self, entry_id: str) -> Delivery:
+    async def close(self) -> None:
+        return None
+
+    def _delivery(self, entry_id: str) -> RelayDelivery:
+        # decoded as ControlStream does, then converted by the adapter the relay actor really uses
         data = dict(self.entries)[entry_id]
         try:
-            return Delivery(entry_id, decode_message(data), None)
+            return relay_delivery(Delivery(entry_id, decode_message(data), None))
         except CodecError as e:
-            return Delivery(entry_id, None, e)
+            return relay_delivery(Delivery(entry_id, None, e))
 
 
 @dataclass
@@ -120,3 +126,6 @@ class FakeAudit:
 
     async def write(self, entry: AuditEntry) -> None:
         self.entries.append(entry)
+
+    async def close(self) -> None:
+        return None

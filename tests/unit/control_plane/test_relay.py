@@ -143,7 +143,7 @@ async def test_a_failed_delivery_stays_pending_and_is_retried_after_the_idle_tim
     await r.step(block=False)
 
     # Then the retry delivered it, once, and it is acked
-    assert targets.records["t-1"] == [stream._delivery(entry).message.message_id]  # type: ignore[union-attr]
+    assert targets.records["t-1"] == [stream._delivery(entry).envelope.message_id]  # type: ignore[union-attr]
     assert stream.acked == [entry] and stream.pel == {}
     assert r.counts[HandleResult.RETRY.value] == 1 and r.counts[HandleResult.DELIVERED.value] == 1
 

@@ -1,0 +1,230 @@
+"""What the actor shells need from the cluster layer, declared here and injected from outside.
+
+ARCHITECTURE.md: dependencies point one way, ``runtime`` <- ``scheduler``, ``breakers`` <- ``actors`` <-
+``cluster``. The trajectory actor and the relays still need a durable log store, a place to publish live
+events, a verifier for signed control messages and a control-stream transport, and all of those live in
+``cluster/``. So ``actors/`` names what it needs as small Protocols and value types (this module), and the
+composition root ``cluster.adapters.ClusterAdapters`` implements them over ``RedisLogStore``,
+``ControlStream``, ``Verifier`` and ``Keyring``. Whoever starts an actor (the ``tether run`` driver, a relay
+waking a hibernated trajectory, a test) passes that object in; no module under ``actors/`` imports
+``cluster``.
+
+The object crosses a Ray boundary (actor constructor argument), so implementations must be picklable:
+a module-level class is pickled by reference and the worker imports its module at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from runtime.ports import LogStore
+
+__all__ = [
+    "MALFORMED",
+    "AuditEntry",
+    "AuditSink",
+    "ClosableLogStore",
+    "ClusterPorts",
+    "ControlEnvelope",
+    "ControlVerifier",
+    "LiveEventSink",
+    "RelayClaim",
+    "RelayDelivery",
+    "RelayStream",
+    "VerifiedControl",
+]
+
+MALFORMED = "MALFORMED"  # the reject reason of bytes that do not decode as a control message
+
+
+# --------------------------------------------------------------------------- control messages
+
+
+@dataclass(frozen=True, slots=True)
+class ControlEnvelope:
+    """A decoded, not yet verified control message: what an actor reads of it.
+
+    ``action`` is a ``runtime.record.ControlAction`` value; ``data`` the encoded message exactly as it is
+    handed to the trajectory actor; ``source`` the transport's own decoded form, kept so verification
+    need not decode again (opaque to ``actors/``).
+    """
+
+    message_id: str
+    trajectory_id: str
+    action: str
+    issuer: str
+    reason: str
+    nonce: str
+    payload: Mapping[str, Any]
+    data: bytes
+    source: object = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedControl:
+    """A message whose signatures, roles, validity window and freshness all checked out."""
+
+    envelope: ControlEnvelope
+    signers: tuple[str, ...]
+    roles: frozenset[str]
+
+
+class ControlVerifier(Protocol):
+    """Decodes and verifies signed control messages (one per actor incarnation: it may cache its keyring)."""
+
+    def decode(self, data: bytes) -> ControlEnvelope:
+        """The envelope of ``data``; ``runtime.errors.CodecError`` naming what is wrong otherwise."""
+        ...
+
+    def verify(
+        self, envelope: ControlEnvelope, now: float, seen: Callable[[str, str], bool]
+    ) -> VerifiedControl:
+        """Check signature, signer roles, validity window (``now``: epoch seconds) and replay
+        (``seen(message_id, nonce)``); ``runtime.errors.ControlError`` with the reason code otherwise."""
+        ...
+
+
+# --------------------------------------------------------------------------- views and the log
+
+
+class LiveEventSink(Protocol):
+    """Where state changes are published for live views (``tether watch``); never the audit record."""
+
+    async def publish(self, trajectory_id: str, kind: str, at: float, data: Mapping[str, Any]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class ClosableLogStore(LogStore, Protocol):
+    """A ``runtime.ports.LogStore`` that holds a connection the actor closes when it goes away."""
+
+    async def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- the relay's transport
+
+
+@dataclass(frozen=True, slots=True)
+class RelayDelivery:
+    """One entry read from the control stream. An entry that does not decode still comes through (with
+    ``error``) so the relay can audit and ack it instead of looping on it; ``trimmed`` marks a pending
+    entry whose message Redis trimmed away."""
+
+    entry_id: str
+    envelope: ControlEnvelope | None
+    error: str | None = None
+    trimmed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RelayClaim:
+    """One take-over pass (``XAUTOCLAIM``): entries now ours, where to continue, ids trimmed away."""
+
+    deliveries: list[RelayDelivery]
+    next_start_id: str
+    deleted_ids: list[str]
+
+
+class RelayStream(Protocol):
+    """The control stream as one relay of a consumer group sees it."""
+
+    async def ensure_group(self, group: str, *, start_id: str = "0") -> bool: ...
+
+    async def read(
+        self,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 16,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[RelayDelivery]: ...
+
+    async def ack(self, group: str, *entry_ids: str) -> int: ...
+
+    async def claim_stale(
+        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
+    ) -> RelayClaim: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One line of ``tether:audit``: what arrived, why it was not applied, and who noticed."""
+
+    reason: str
+    detail: str
+    entry_id: str
+    relay: str
+    at: float
+    message_id: str = ""
+    trajectory_id: str = ""
+    action: str = ""
+    issuer: str = ""
+
+    def to_fields(self) -> dict[str | bytes, str | bytes]:
+        return {k: str(v) for k, v in self.as_dict().items()}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "detail": self.detail,
+            "entry_id": self.entry_id,
+            "relay": self.relay,
+            "at": self.at,
+            "message_id": self.message_id,
+            "trajectory_id": self.trajectory_id,
+            "action": self.action,
+            "issuer": self.issuer,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, str]) -> AuditEntry:
+        return cls(
+            reason=fields.get("reason", ""),
+            detail=fields.get("detail", ""),
+            entry_id=fields.get("entry_id", ""),
+            relay=fields.get("relay", ""),
+            at=float(fields.get("at") or 0.0),
+            message_id=fields.get("message_id", ""),
+            trajectory_id=fields.get("trajectory_id", ""),
+            action=fields.get("action", ""),
+            issuer=fields.get("issuer", ""),
+        )
+
+
+class AuditSink(Protocol):
+    async def write(self, entry: AuditEntry) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- the composition root
+
+
+class ClusterPorts(Protocol):
+    """Everything the actor shells take from the cluster layer (implemented by
+    ``cluster.adapters.ClusterAdapters``). Each call opens a fresh resource the caller closes."""
+
+    def open_log(self, redis_url: str) -> ClosableLogStore:
+        """The durable per-trajectory log store."""
+        ...
+
+    def live_events(self, redis_url: str) -> LiveEventSink:
+        """The live-events publisher (``tether:events``)."""
+        ...
+
+    def control_verifier(self, keyring_path: str | None) -> ControlVerifier:
+        """A verifier over the keyring at ``keyring_path`` (None: the cluster default)."""
+        ...
+
+    def relay_stream(self, redis_url: str) -> RelayStream:
+        """The control stream as a relay reads it."""
+        ...
+
+    def audit_sink(self, redis_url: str, maxlen: int) -> AuditSink:
+        """Where a relay writes audit entries (``tether:audit``)."""
+        ...

@@ -1,0 +1,225 @@
+"""The composition root of the actor shells: ``actors.ports`` implemented over the cluster layer.
+
+``actors/`` declares what it needs (``actors.ports.ClusterPorts``) and never imports ``cluster``; this
+module supplies it: the Redis log store, live events on ``tether:events``, signed-message verification
+against the keyring, the ``tether:control`` consumer-group transport and the ``tether:audit`` sink.
+
+``ClusterAdapters`` is a plain, stateless, module-level class, so it pickles by reference: the driver (or
+a relay) passes one to every actor it creates and the worker imports this module when it unpickles it.
+Every method opens a fresh resource owned by the caller.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from actors.ports import (
+    AuditEntry,
+    ControlEnvelope,
+    RelayClaim,
+    RelayDelivery,
+    VerifiedControl,
+)
+from actors.relay import AUDIT_STREAM
+from cluster.control import Claimed, ControlMessage, ControlStream, Delivery, LiveEvent, decode_message
+from cluster.control import encode_message as encode_control
+from cluster.embedded import redis_errors
+from cluster.log_store import RedisLogStore
+from cluster.signing import Keyring, Verifier
+from cluster.signing import keyring_path as default_keyring_path
+
+__all__ = [
+    "ClusterAdapters",
+    "KeyringVerifier",
+    "LiveEvents",
+    "RedisAudit",
+    "RelayControlStream",
+    "envelope_of",
+    "relay_claim",
+    "relay_delivery",
+]
+
+
+# --------------------------------------------------------------------------- control messages
+
+
+def envelope_of(message: ControlMessage, data: bytes | None = None) -> ControlEnvelope:
+    """The actors' view of a decoded message (``data``: its encoding, re-encoded when not given)."""
+    return ControlEnvelope(
+        message_id=message.message_id,
+        trajectory_id=message.trajectory_id,
+        action=message.action.value,
+        issuer=message.issuer,
+        reason=message.reason,
+        nonce=message.nonce,
+        payload=dict(message.payload),
+        data=encode_control(message) if data is None else data,
+        source=message,
+    )
+
+
+_Stamp = tuple[int, int, int] | None
+
+
+class KeyringVerifier:
+    """``actors.ports.ControlVerifier`` over ``cluster.signing.Verifier``.
+
+    The keyring is loaded once and reloaded only when its file changes (mtime, size, inode), so a
+    delivery costs one ``stat`` instead of a YAML parse, and ``tether keys new`` during a run still
+    takes effect without restarting any actor.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.loads = 0  # how many times the file was actually read (tests judge the cache by it)
+        self._stamp: _Stamp = None
+        self._verifier: Verifier | None = None
+
+    def _current(self) -> Verifier:
+        try:
+            st = os.stat(self.path)
+            stamp: _Stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        if self._verifier is None or stamp != self._stamp:
+            self._verifier = Verifier(Keyring.load(self.path))
+            self._stamp = stamp
+            self.loads += 1
+        return self._verifier
+
+    def decode(self, data: bytes) -> ControlEnvelope:
+        return envelope_of(decode_message(data), bytes(data))
+
+    def verify(
+        self, envelope: ControlEnvelope, now: float, seen: Callable[[str, str], bool]
+    ) -> VerifiedControl:
+        message = envelope.source
+        if not isinstance(message, ControlMessage):
+            message = decode_message(envelope.data)
+        verified = self._current().verify(message, now, seen)
+        return VerifiedControl(envelope, verified.signers, frozenset(r.value for r in verified.roles))
+
+
+# --------------------------------------------------------------------------- live events
+
+
+class LiveEvents:
+    """``actors.ports.LiveEventSink`` over ``ControlStream.publish_event``."""
+
+    def __init__(self, stream: ControlStream) -> None:
+        self._stream = stream
+
+    async def publish(self, trajectory_id: str, kind: str, at: float, data: Mapping[str, Any]) -> None:
+        await self._stream.publish_event(
+            LiveEvent(trajectory_id=trajectory_id, kind=kind, at=at, data=dict(data))
+        )
+
+    async def close(self) -> None:
+        await self._stream.close()
+
+
+# --------------------------------------------------------------------------- relays
+
+
+def relay_delivery(delivery: Delivery) -> RelayDelivery:
+    """A transport ``Delivery`` as the relay loop reads it."""
+    if delivery.message is None:
+        error = str(delivery.error) if delivery.error is not None else "no message"
+        # ControlStream reports a pending entry with no fields (trimmed away) with this wording
+        trimmed = delivery.error is not None and "no message" in str(delivery.error)
+        return RelayDelivery(delivery.entry_id, None, error, trimmed=trimmed)
+    return RelayDelivery(delivery.entry_id, envelope_of(delivery.message))
+
+
+def relay_claim(claimed: Claimed) -> RelayClaim:
+    return RelayClaim(
+        [relay_delivery(d) for d in claimed.deliveries], claimed.next_start_id, list(claimed.deleted_ids)
+    )
+
+
+class RelayControlStream:
+    """``actors.ports.RelayStream`` over ``ControlStream`` (consumer group, ack, ``XAUTOCLAIM``)."""
+
+    def __init__(self, stream: ControlStream) -> None:
+        self.stream = stream
+
+    async def ensure_group(self, group: str, *, start_id: str = "0") -> bool:
+        return await self.stream.ensure_group(group, start_id=start_id)
+
+    async def read(
+        self,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 16,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[RelayDelivery]:
+        found = await self.stream.read(group, consumer, count=count, block_ms=block_ms, pending=pending)
+        return [relay_delivery(d) for d in found]
+
+    async def ack(self, group: str, *entry_ids: str) -> int:
+        return await self.stream.ack(group, *entry_ids)
+
+    async def claim_stale(
+        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
+    ) -> RelayClaim:
+        claimed = await self.stream.claim_stale(
+            group, consumer, min_idle_ms=min_idle_ms, count=count, start_id=start_id
+        )
+        return relay_claim(claimed)
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+class RedisAudit:
+    """Audit entries on the ``tether:audit`` stream (trimmed with ``MAXLEN ~``)."""
+
+    def __init__(self, client: aioredis.Redis, *, url: str = "redis", maxlen: int = 100_000) -> None:
+        self._client = client
+        self._url = url
+        self._maxlen = maxlen
+
+    async def write(self, entry: AuditEntry) -> None:
+        with redis_errors(self._url, f"writing to {AUDIT_STREAM}"):
+            fields: Any = entry.to_fields()
+            await self._client.xadd(AUDIT_STREAM, fields, maxlen=self._maxlen, approximate=True)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+# --------------------------------------------------------------------------- the root
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterAdapters:
+    """``actors.ports.ClusterPorts`` over Redis and the keyring (stateless; safe to pickle and share)."""
+
+    socket_timeout_s: float = 10.0
+    relay_socket_timeout_s: float = 30.0  # above any relay's blocking-read time (RelayConfig.block_ms)
+
+    def open_log(self, redis_url: str) -> RedisLogStore:
+        return RedisLogStore.from_url(redis_url, socket_timeout=self.socket_timeout_s)
+
+    def live_events(self, redis_url: str) -> LiveEvents:
+        return LiveEvents(ControlStream.from_url(redis_url, socket_timeout=self.socket_timeout_s))
+
+    def control_verifier(self, keyring_path: str | None) -> KeyringVerifier:
+        return KeyringVerifier(Path(keyring_path) if keyring_path else default_keyring_path())
+
+    def relay_stream(self, redis_url: str) -> RelayControlStream:
+        return RelayControlStream(
+            ControlStream.from_url(redis_url, socket_timeout=self.relay_socket_timeout_s)
+        )
+
+    def audit_sink(self, redis_url: str, maxlen: int) -> RedisAudit:
+        client = aioredis.Redis.from_url(redis_url, socket_timeout=self.relay_socket_timeout_s)
+        return RedisAudit(client, url=redis_url, maxlen=maxlen)
