@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ from runtime.watchdog import WatchdogConfig, WatchdogState
 __all__ = ["Harness", "HarnessConfig", "HarnessHooks", "HarnessPorts", "RunOutcome"]
 
 S = TrajectoryState
+_log = logging.getLogger(__name__)
 _ABORTING = frozenset({ControlAction.CANCEL, ControlAction.PAUSE, ControlAction.KILL})
 
 
@@ -561,7 +563,7 @@ class Harness:
             reply = await self.ports.model.complete(request, token)
         except ModelCallCancelled as e:
             usage = e.usage if isinstance(e.usage, Usage) else Usage()
-            await self.ports.admission.settle_turn(grant_id, usage.total)
+            self._settle(grant_id, usage.total)
             await self._append(ModelCallCancelledEvent(e.reason, usage, self.config.prices.cost(usage)))
             await self._append(StateChanged(S.CALLING_MODEL, S.READY, f"model call aborted: {e.reason}"))
             return
@@ -571,16 +573,28 @@ class Harness:
         finally:
             self._cancel_token = None
         self._model_failures = 0
-        await self.ports.admission.settle_turn(grant_id, reply.usage.total)
+        self._settle(grant_id, reply.usage.total)
         await self._append(
             ModelCallSettled(reply.stop_reason, reply.usage, self.config.prices.cost(reply.usage))
         )
         await self._after_reply(reply)
 
+    def _settle(self, grant_id: str, actual_tokens: int) -> None:
+        """Settle the scheduler reservation without holding up the turn. A lost settlement only leaves the
+        reservation to expire with its lease (the scheduler's backstop), so it is not worth a round trip."""
+
+        async def settle() -> None:
+            try:
+                await self.ports.admission.settle_turn(grant_id, actual_tokens)
+            except Exception as e:  # reported, never fatal to the trajectory
+                _log.warning("settling grant %s failed (its lease will expire): %s", grant_id, e)
+
+        self._spawn(settle())
+
     async def _model_failed(self, grant_id: str, error: DependencyError) -> None:
         # A failed call is billed nothing we can see; release the reservation and let the loop retry it as a
         # new turn (admission again, charged again) with full-jitter backoff, Retry-After as the floor.
-        await self.ports.admission.settle_turn(grant_id, 0)
+        self._settle(grant_id, 0)
         if isinstance(error, ProviderRateLimited):
             await self.ports.admission.report_rate_limited(self.config.provider_key, error.retry_after, {})
         await self._append(ModelCallFailed(str(error), not error.non_retryable))
@@ -635,7 +649,7 @@ class Harness:
             # The intent was logged and the provider may have billed the call: charge the whole reservation
             # (prompt estimate + output ceiling), the most the provider can have billed for it.
             reserved = Usage(uncached_input=call.prompt_tokens, cached_input=0, output=call.max_tokens)
-            await self.ports.admission.settle_turn(call.grant_id, reserved.total)
+            self._settle(call.grant_id, reserved.total)
             await self._append(
                 ModelCallFailed(
                     "the actor restarted during the call", True, reserved, self.config.prices.cost(reserved)
