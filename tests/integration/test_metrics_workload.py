@@ -1,0 +1,222 @@
+"""Metrics from the outside, end to end: a small workload runs through ``cluster.runner.run_driver`` with the
+driver's endpoint on, and both scrape targets are read over real HTTP and parsed with
+``prometheus_client.parser``:
+
+* the driver's own ``/metrics`` (``cluster.observe.start_driver_metrics``): the run's trajectories by state,
+  scraped while the workload runs and after it ended;
+* Ray's metrics export port, where the trajectory actors' ``MetricsHooks`` and the guard actors' breakers
+  record through ``RayBackend`` (names prefixed ``ray_``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.fake_cluster import free_tcp_port
+from cluster.observe import start_driver_metrics
+from cluster.runner import RunOptions, RunResult, Services, run_driver
+from cluster.workload import parse_workload
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+
+RUN_ID = "mtest"
+WORKLOAD = """\
+name: metrics
+provider:
+  kind: simulated
+  model: sim-small
+  limits: {tpm: 100000, rpm: 600}
+  latency: {ttft_ms: 5, tokens_per_s: 5000}
+tools:
+  - {name: run_tests}
+  - {name: send_notification}
+approval_timeout_s: 2
+guard: actor
+trajectories:
+  - id: fix
+    scenario: "finish_after:2"
+    grants: [run_tests]
+    completion_check: {kind: min_tool_results, count: 2}
+    expected_state: COMPLETED
+  - id: unapproved
+    class: interactive
+    scenario: "irreversible:send_notification"
+    grants: [send_notification]
+    completion_check: {kind: tool_succeeded, tool: send_notification}
+    expected_state: FAILED
+  - id: budget
+    scenario: "finish_after:9"
+    grants: [run_tests]
+    budget: {turns: 2}
+    expected_state: FAILED
+"""
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+LABELS = ("state", "outcome", "trigger", "dimension", "guard", "scope", "tool")
+
+
+def scrape(port: int) -> Samples:
+    """GET /metrics, parse it, and index tether samples by (name, tether labels); Ray's per-worker series of
+    one name and labels are summed, as a dashboard would."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if "tether_" in s.name:
+                key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k in LABELS)))
+                samples[key] = samples.get(key, 0.0) + s.value
+    return samples
+
+
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    return {dict(labels)[label]: v for (n, labels), v in samples.items() if n == name}
+
+
+@dataclass
+class Run:
+    result: RunResult
+    ray_port: int
+    during: list[Samples] = field(default_factory=list)
+    after: Samples = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def ray_with_export() -> Iterator[int]:
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    port = free_tcp_port()
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        _metrics_export_port=port,
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="tether",
+        object_store_memory=100 * 1024 * 1024,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+        resources={"tether_trajectory": 1000},
+    )
+    try:
+        yield port
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def run(ray_with_export: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """The workload, run once with the driver's endpoint on; scraped during and after the run."""
+    from cluster.redis_server import RedisServer
+
+    tmp = tmp_path_factory.mktemp("metrics-run")
+    server = RedisServer(data_dir=tmp / "redis").start()
+    env = {"TETHER_REDIS_URL": server.url, "TETHER_HOME": str(tmp / "home")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        workload = parse_workload(WORKLOAD, "metrics.yaml")
+        options = RunOptions(run_id=RUN_ID, poll_s=0.1)
+        with Services(workload, options) as services:
+            metrics = start_driver_metrics(
+                0,
+                redis_url=services.redis_url,
+                match=f"tether:status:{RUN_ID}.*",
+                testbed_address=services.testbed_address,
+                interval_s=0.2,
+            )
+            with metrics:
+                during: list[Samples] = []
+                done = threading.Event()
+
+                def scrape_while_running() -> None:
+                    while not done.is_set():
+                        during.append(scrape(metrics.port))
+                        done.wait(0.3)
+
+                scraper = threading.Thread(target=scrape_while_running)
+                scraper.start()
+                try:
+                    result = run_driver(workload, services, options)
+                finally:
+                    done.set()
+                    scraper.join()
+                assert metrics.observer is not None
+                metrics.observer.stop()  # one last poll: the final states are exported
+                after = scrape(metrics.port)
+            yield Run(result, ray_with_export, during, after)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def test_the_driver_endpoint_shows_the_runs_trajectories_by_state(run: Run) -> None:
+    # Given the workload ended as its scripts imply
+    assert {r.name: r.state for r in run.result.results} == {
+        "fix": "COMPLETED",
+        "unapproved": "FAILED",
+        "budget": "FAILED",
+    }
+    # Then every scrape during the run parsed and never showed more trajectories than the run has
+    assert run.during, "the endpoint was never scraped while the workload ran"
+    assert all(sum(by_label(s, "tether_trajectories", "state").values()) <= 3 for s in run.during)
+    # And after it, the gauge is exactly the run's end state, every other state at zero
+    states = by_label(run.after, "tether_trajectories", "state")
+    assert {k: v for k, v in states.items() if v} == {"COMPLETED": 1.0, "FAILED": 2.0}
+    assert states["READY"] == 0.0 and states["STARTING"] == 0.0
+    # and the testbed's ledger saw no duplicate effect (no series at all: nothing was ever counted)
+    assert by_label(run.after, "tether_duplicate_effects_total", "tool") == {}
+
+
+WIRED = {
+    ("ray_tether_trajectories_finished_total", (("outcome", "completed"),)): 1.0,
+    (
+        "ray_tether_trajectories_finished_total",
+        (("outcome", "partial"),),
+    ): 1.0,  # budget: tests ran, then halt
+    ("ray_tether_trajectories_finished_total", (("outcome", "failed"),)): 1.0,  # unapproved: nothing ran
+    ("ray_tether_budget_exhausted_total", (("dimension", "turns"),)): 1.0,
+    ("ray_tether_escalations_total", (("trigger", "approval_request"),)): 1.0,  # unapproved: held, expired
+    ("ray_tether_escalations_total", (("trigger", "verification"),)): 1.0,  # then its check failed
+    ("ray_tether_steps_to_completion_count", ()): 1.0,
+    ("ray_tether_breaker_state", (("scope", "test-runner"),)): 0.0,
+}
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="wiring not in yet: actors/trajectory.py must chain MetricsHooks(Metrics(RayBackend()), clock) "
+    "into its harness hooks, cluster/runner.py must create guard actors with metrics_backend=RayBackend",
+)
+def test_rays_export_port_shows_what_the_actors_recorded(run: Run) -> None:
+    # Given the run above, whose actors record through RayBackend
+    # When Ray's metrics export port is scraped until the agent has the values (it pushes every few seconds)
+    deadline = time.monotonic() + 45.0
+    seen: Samples = {}
+    while time.monotonic() < deadline:
+        try:
+            seen = scrape(run.ray_port)
+        except OSError:  # the agent's HTTP server may not be listening yet
+            seen = {}
+        if all(seen.get(k) == v for k, v in WIRED.items()):
+            break
+        time.sleep(1.0)
+    # Then each §12.5 signal the workload implies is there with its exact value
+    assert {k: seen.get(k) for k in WIRED} == WIRED
+    # and the retry ratio's parts: no tool failed here, so every operation took exactly one attempt
+    attempts = seen.get(("ray_tether_step_attempts_total", ()))
+    assert attempts is not None and attempts >= 3
+    assert attempts == seen.get(("ray_tether_tool_operations_total", ()))
