@@ -36,6 +36,12 @@ class TetherError(Exception):
     retry_after: float | None = None
     scope: str | None = None
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Subclasses take keyword attributes their ``__init__`` turns into a message, so the default
+        # ``cls(*args)`` cannot rebuild them; rebuild from the message and the attributes instead. This
+        # lets every error cross a process boundary (a Ray actor call) with its fields intact.
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
 
 class InputError(TetherError, ValueError):
     """Input from outside the runtime was malformed. ``where`` names the place (file, field path)."""
@@ -169,3 +175,10 @@ class ModelCallCancelled(TetherError):
         self.reason = reason
         self.usage = usage
         super().__init__(f"model call cancelled: {reason}")
+
+
+def _rebuild(cls: type[TetherError], args: tuple[object, ...], state: dict[str, object]) -> TetherError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
