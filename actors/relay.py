@@ -468,4 +468,20 @@ def stop_relays(handles: list[Any], *, timeout_s: float = 10.0) -> list[dict[str
             out.append({"error": repr(e)})
         with contextlib.suppress(Exception):
             ray.kill(h)
+    # Wait (bounded) until the names are free: a start_relays right after this must create new relays,
+    # not find the dying ones through get_if_exists.
+    names = [str(stats.get("name")) for stats in out if stats.get("name")]
+    give_up = time.monotonic() + timeout_s
+    while names and time.monotonic() < give_up:
+        names = [n for n in names if _actor_exists(ray, n)]
+        if names:
+            time.sleep(0.05)
     return out
+
+
+def _actor_exists(ray: Any, name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True

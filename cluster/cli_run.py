@@ -35,7 +35,15 @@ def run(
         None, "--report", help="Write the JSON report here (and a PNG of states over time beside it)."
     ),
     prewarm: int = typer.Option(
-        0, "--prewarm", min=0, max=64, help="Start this many Ray worker processes before the actors (local)."
+        0,
+        "--prewarm",
+        min=0,
+        max=10_000,
+        help="Capacity before the actors exist: a local Ray starts N worker processes; a cluster joined with "
+        "--address asks its autoscaler for room for N trajectories (withdrawn when the run ends).",
+    ),
+    relays: int = typer.Option(
+        1, "--relays", min=1, max=64, help="Control relays to run (tether pause/approve/... during the run)."
     ),
     run_id: str | None = typer.Option(
         None, "--run-id", help="Trajectory ids are RUN_ID.<id>; reuse a run id to resume that run."
@@ -49,7 +57,9 @@ def run(
     except WorkloadError as e:
         typer.echo(f"tether run: {e}", err=True)
         raise typer.Exit(2) from None
-    options = RunOptions(address=address, report=report, prewarm=prewarm, dashboard=dashboard, run_id=run_id)
+    options = RunOptions(
+        address=address, report=report, prewarm=prewarm, dashboard=dashboard, run_id=run_id, relays=relays
+    )
     try:
         result = _run(wl, options, console)
     except KeyboardInterrupt:

@@ -2,7 +2,9 @@
 
 1. ``Services`` starts what the workload needs and stops it on exit (also on Ctrl-C): the embedded Redis
    (unless ``TETHER_REDIS_URL`` is set), the simulated provider, the testbed tool services, a small local
-   Ray (unless ``--address``), and the scheduler actor with the provider's limits and the priority classes.
+   Ray on loopback (unless ``--address``), the scheduler actor with the provider's limits and the priority
+   classes, and the control relays (``relay:0`` .. ``relay:<n-1>``), so ``tether pause/approve/...`` act on
+   the trajectories while the run is going.
 2. ``plan_launches`` turns every trajectory of the workload into a ``TrajectoryLaunch`` (stored in Redis, so
    anyone can re-create an actor later).
 3. ``Driver`` creates one trajectory actor per launch, waits for each ``run()``, follows hibernated ones
@@ -40,6 +42,8 @@ __all__ = [
     "Services",
     "TrajectoryResult",
     "plan_launches",
+    "prewarm_workers",
+    "request_capacity",
     "run_driver",
     "write_timeline_png",
 ]
@@ -53,11 +57,14 @@ class RunOptions:
 
     address: str | None = None  # None: start a local Ray
     report: Path | None = None
-    prewarm: int = 0  # worker processes started before the actors (local Ray)
+    # Capacity asked for before the actors exist: on a local Ray this many worker processes are started;
+    # on a cluster this run joined, the autoscaler is asked for room for this many trajectories.
+    prewarm: int = 0
     dashboard: bool = False
     num_cpus: int = 2
     run_id: str | None = None  # None: a fresh id (a repeated id resumes that run's trajectories)
     poll_s: float = 0.25
+    relays: int = 1  # control relays started for the run (at least one per cluster)
 
 
 @dataclass(frozen=True)
@@ -132,8 +139,13 @@ def plan_launches(
     testbed_address: str | None,
     created_at: float,
     keyring_path: str | None = None,
+    workspace_root: str | None = None,
 ) -> list[tuple[TrajectorySpec, TrajectoryLaunch]]:
-    """A launch per trajectory (``count`` templates expanded); ids are ``<run_id>.<id in the file>``."""
+    """A launch per trajectory (``count`` templates expanded); ids are ``<run_id>.<id in the file>``.
+
+    ``workspace_root``: where each trajectory's sandbox workspace lives (``<root>/<trajectory id>``);
+    None: no sandbox (tools that need one are refused).
+    """
     provider = ProviderLaunch(
         base_url=base_url,
         model=workload.provider.model,
@@ -187,6 +199,7 @@ def plan_launches(
             approval_timeout_s=workload.approval_timeout_s,
             tool_timeout_s=workload.tool_timeout_s,
             hibernate_after_s=workload.hibernate_after_s,
+            workspace_root=workspace_root,
         )
         planned.append((spec, launch))
     return planned
@@ -212,6 +225,10 @@ class Services:
         self.testbed_address: str | None = None
         self.provider: Any = None  # testbed ProviderProcess when simulated
         self.keyring_path: str | None = None  # absolute, for a local run; a cluster's workers use their own
+        self.workspace_root = str((tether_home() / "workspaces").resolve())
+        self.adapters = ClusterAdapters()  # actors.ports over Redis and the keyring, handed to every actor
+        self.started_ray = False  # True when this run started its own local Ray (else it joined one)
+        self.relay_handles: list[Any] = []
         # Handles of the actors we created: a non-detached actor lives as long as its creator holds one.
         self.actor_handles: list[Any] = []
         self._stack = contextlib.ExitStack()
@@ -266,6 +283,7 @@ class Services:
             self._start_scheduler()
         if wl.guard == "actor":
             self._start_guards()
+        self._start_relays()
 
     def _start_ray(self) -> None:
         import ray
@@ -287,8 +305,32 @@ class Services:
                 logging_level=logging.WARNING,
                 log_to_driver=False,
                 resources={"tether_trajectory": 10_000},
+                _node_ip_address="127.0.0.1",  # loopback only: a local run is never reachable from outside
             )
+            self.started_ray = True
         self._stack.callback(ray.shutdown)
+
+    def _start_relays(self) -> None:
+        """Start the control relays; stop on exit only the ones this run created (a cluster this run joined
+        may already run its own, which outlive us)."""
+        import ray
+
+        from actors.relay import NAMESPACE, relay_name, start_relays, stop_relays
+
+        def exists(n: int) -> bool:
+            try:
+                ray.get_actor(relay_name(n), namespace=NAMESPACE)
+            except ValueError:
+                return False
+            return True
+
+        count = self.options.relays
+        already = {n for n in range(count) if exists(n)}
+        handles = start_relays(self.redis_url, count, adapters=self.adapters)
+        self.relay_handles = handles
+        ours = [h for n, h in enumerate(handles) if n not in already]
+        if ours:
+            self._stack.callback(stop_relays, ours)
 
     def _start_scheduler(self) -> None:
         from scheduler.actor import SchedulerHandle
@@ -321,6 +363,17 @@ class Services:
             return {"requests": None, "rate_limited": None}
         stats = self.provider.stats()
         return {"requests": int(stats["requests"]), "rate_limited": int(stats["rate_limited"])}
+
+
+def request_capacity(trajectories: int) -> None:
+    """Ask the cluster's autoscaler for room for ``trajectories`` trajectory actors now.
+
+    ``request_resources`` is declarative (it replaces this driver's earlier request) and inert on a cluster
+    without an autoscaler; ``request_capacity(0)`` withdraws the request.
+    """
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[{"tether_trajectory": 1}] * trajectories)
 
 
 def prewarm_workers(count: int) -> None:
@@ -480,15 +533,26 @@ def run_driver(
         testbed_address=services.testbed_address,
         created_at=now,
         keyring_path=services.keyring_path,
+        workspace_root=services.workspace_root,
     )
     for _, launch in planned:
         save_launch(services.redis_url, launch)
-    if options.address is None:
-        prewarm_workers(options.prewarm)
-    driver = Driver(planned, services.redis_url)
+    asked = False
+    if options.prewarm > 0:
+        if services.started_ray:
+            prewarm_workers(options.prewarm)  # a local Ray has no autoscaler: start the processes now
+        else:
+            request_capacity(options.prewarm)
+            asked = True
+    driver = Driver(planned, services.redis_url, services.adapters)
     driver.poll_s = options.poll_s
     started = time.monotonic()
-    results = asyncio.run(driver.run(on_progress))
+    try:
+        results = asyncio.run(driver.run(on_progress))
+    finally:
+        if asked:
+            with contextlib.suppress(Exception):  # the cluster may be gone; nothing left to withdraw
+                request_capacity(0)  # the trajectories are done: let idle nodes scale down
     return RunResult(
         results=results,
         provider=services.provider_counts(),

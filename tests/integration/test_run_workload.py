@@ -89,6 +89,61 @@ async def test_small_workload_ends_in_expected_states_with_the_specified_report(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+APPROVAL_WORKLOAD = """\
+name: approve-during-run
+provider: {kind: simulated, model: sim-small}
+tools: [{name: send_notification}]
+approval_timeout_s: 120
+scheduler: false
+trajectories:
+  - id: notify
+    scenario: "irreversible:send_notification"
+    grants: [send_notification]
+    completion_check: {kind: tool_succeeded, tool: send_notification}
+    expected_state: COMPLETED
+"""
+
+
+async def test_an_operator_approves_a_held_call_while_tether_run_is_going(
+    ray_local: None, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a run whose only trajectory holds an irreversible call for approval (nobody else decides)
+    import asyncio
+
+    from cluster.control_client import ControlClient
+
+    monkeypatch.setenv("TETHER_REDIS_URL", redis_url)
+    monkeypatch.setenv("TETHER_HOME", str(tmp_path / "home"))
+    workload = parse_workload(APPROVAL_WORKLOAD, "approve.yaml")
+    options = RunOptions(run_id="approve")
+    with Services(workload, options) as services:
+        assert services.keyring_path is not None  # the local run created the default operator key
+        running = asyncio.ensure_future(_run_in_thread(workload, services, options))
+        client = ControlClient.from_url(redis_url, keyring=Path(services.keyring_path))
+        try:
+            held = await _held_call(client, "approve.notify", running)
+            # When the operator approves it through the control stream, as `tether approve` does
+            await client.approve("approve.notify", issuer="operator", call_digest=held)
+            result = await asyncio.wait_for(running, 120)
+        finally:
+            await client.close()
+    # Then the run's own relay delivered it: the call ran and the trajectory completed
+    (only,) = result.results
+    assert (only.state, only.exit_reason) == ("COMPLETED", "COMPLETED")
+
+
+async def _held_call(client, trajectory_id: str, running) -> str:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    for _ in range(1200):
+        assert not running.done(), "the run ended before the call was held"
+        for view in await client.pending():
+            if view.trajectory_id == trajectory_id:
+                return str(view.digest)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{trajectory_id} never held a call")
+
+
 async def _run_in_thread(workload, services, options):  # type: ignore[no-untyped-def]
     # run_driver owns its event loop (asyncio.run), as in the CLI; keep it off the test's loop
     import asyncio
