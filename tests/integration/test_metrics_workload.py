@@ -61,7 +61,7 @@ trajectories:
 """
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-LABELS = ("state", "outcome", "trigger", "dimension", "guard", "scope", "tool")
+LABELS = ("state", "outcome", "trigger", "dimension", "guard", "scope", "tool", "priority_class", "bucket")
 
 
 def scrape(port: int) -> Samples:
@@ -220,3 +220,9 @@ def test_rays_export_port_shows_what_the_actors_recorded(run: Run) -> None:
     attempts = seen.get(("ray_tether_step_attempts_total", ()))
     assert attempts is not None and attempts >= 3
     assert attempts == seen.get(("ray_tether_tool_operations_total", ()))
+    # and the scheduler actor observed one admission wait per turn the run took, and reported its buckets
+    waits = by_label(seen, "ray_tether_admission_wait_seconds_count", "priority_class")
+    assert sum(waits.values()) == sum(r.turns for r in run.result.results)
+    assert set(waits) == {"standard", "interactive"}
+    levels = by_label(seen, "ray_tether_scheduler_bucket_level", "bucket")
+    assert {b.rsplit("/", 1)[1] for b in levels} == {"tokens", "requests"}
