@@ -1,23 +1,27 @@
-"""The Ray autoscaler adds worker nodes for trajectory actors and removes them once they are idle.
+"""The Ray autoscaler adds worker nodes for real trajectory actors and removes them once they are idle.
 
 Runs Ray's ``fake_multinode`` provider on this machine with the shipped config
 (``cluster/autoscaler/fake_multinode.yaml``): the head holds no ``tether_trajectory`` resource, each
-worker node holds 2, at most 2 worker nodes, idle timeout 6 s.
+worker node holds 2, at most 2 worker nodes, idle timeout 6 s. The workload is ``examples/autoscale.yaml``
+run by ``tether run``'s services (simulated provider, testbed tools, scheduler and guard actors on the
+head) with one real trajectory actor per trajectory.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from actors.trajectory import ensure_actor
 from cluster.fake_cluster import TRAJECTORY_RESOURCE, FakeMultiNodeCluster, load_autoscaling_config, prewarm
+from cluster.runner import RunOptions, Services, plan_launches
+from cluster.workload import load_workload
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,35 +30,7 @@ _WORKER = _CONFIG["available_node_types"]["ray.worker.trajectory"]
 PER_NODE = int(_WORKER["resources"][TRAJECTORY_RESOURCE])
 MAX_WORKERS = int(_WORKER["max_workers"])
 SCALE_WAIT_S = 120.0
-
-
-@dataclass(frozen=True)
-class WorkloadRun:
-    """What a workload started: actor handles (kept alive so they hold their resource) and result refs."""
-
-    handles: list[Any]
-    results: list[Any]
-
-
-Workload = Callable[[int], WorkloadRun]
-
-
-def stand_in_trajectories(count: int) -> WorkloadRun:
-    """A tiny stand-in for the trajectory actor: a few async steps, then it reports the node it ran on.
-
-    The real trajectory actor takes its place later; it requests the same resource.
-    """
-    import ray
-
-    @ray.remote(num_cpus=0, resources={TRAJECTORY_RESOURCE: 1})
-    class StandInTrajectory:
-        async def run(self, steps: int) -> dict[str, Any]:
-            for _ in range(steps):
-                await asyncio.sleep(0.05)  # a "turn" that yields to the event loop
-            return {"node_id": ray.get_runtime_context().get_node_id(), "steps": steps}
-
-    handles = [StandInTrajectory.remote() for _ in range(count)]  # type: ignore[attr-defined]
-    return WorkloadRun(handles=handles, results=[h.run.remote(5) for h in handles])
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "autoscale.yaml"
 
 
 def _alive_worker_ids() -> set[str]:
@@ -84,7 +60,11 @@ def fake_cluster() -> Iterator[FakeMultiNodeCluster]:
     cluster = FakeMultiNodeCluster().start()
     try:
         ray.init(
-            address=cluster.address, logging_level=logging.WARNING, log_to_driver=False, namespace="tether"
+            address=cluster.address,
+            _node_ip_address="127.0.0.1",  # the driver stays on loopback too
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            namespace="tether",
         )
         yield cluster
     finally:
@@ -92,41 +72,75 @@ def fake_cluster() -> Iterator[FakeMultiNodeCluster]:
         cluster.stop()
 
 
-def run_scaling_scenario(workload: Workload, trajectories: int) -> tuple[set[str], list[Any]]:
-    """Start ``trajectories`` actors through ``workload``, return (worker nodes seen, results)."""
+def _trajectory_slots_in_use() -> float:
     import ray
 
-    run = workload(trajectories)
-    seen: set[str] = set()
-    pending = list(run.results)
-    deadline = time.monotonic() + SCALE_WAIT_S
-    while pending and time.monotonic() < deadline:
-        seen |= _alive_worker_ids()
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-    seen |= _alive_worker_ids()
-    assert not pending, f"{len(pending)} of {trajectories} trajectories unfinished after {SCALE_WAIT_S:.0f}s"
-    results = ray.get(run.results)
-    for handle in run.handles:
-        ray.kill(handle)  # a finished trajectory releases its resource
-    return seen, results
+    total = ray.cluster_resources().get(TRAJECTORY_RESOURCE, 0.0)  # type: ignore[no-untyped-call]
+    free = ray.available_resources().get(TRAJECTORY_RESOURCE, 0.0)  # type: ignore[no-untyped-call]
+    return float(total - free)
 
 
-@pytest.mark.parametrize("workload", [stand_in_trajectories], ids=["stand-in"])
-def test_autoscaler_scales_out_for_trajectories_and_back_in_when_idle(
-    fake_cluster: FakeMultiNodeCluster, workload: Workload
+def _head_slots() -> float:
+    import ray
+
+    heads = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("node:__internal_head__")]  # type: ignore[no-untyped-call]
+    assert len(heads) == 1
+    return float(heads[0]["Resources"].get(TRAJECTORY_RESOURCE, 0.0))
+
+
+def test_autoscaler_scales_out_for_trajectory_actors_and_back_in_when_idle(
+    fake_cluster: FakeMultiNodeCluster, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given: a head with no trajectory capacity and no worker nodes
-    assert _alive_worker_ids() == set()
-    trajectories = PER_NODE * MAX_WORKERS  # needs every worker node the config allows
+    import ray
 
-    # When: more trajectories start than the head can hold
-    seen_workers, results = run_scaling_scenario(workload, trajectories)
+    # Given: a head with no trajectory capacity, no worker nodes, and tether run's services on the head
+    workload = load_workload(EXAMPLE)
+    trajectories = len(workload.expanded())
+    assert trajectories > PER_NODE  # more than one worker node can hold
+    assert _alive_worker_ids() == set() and _head_slots() == 0
+    monkeypatch.setenv("TETHER_REDIS_URL", redis_url)
+    monkeypatch.setenv("TETHER_HOME", str(tmp_path / "home"))
+    with Services(workload, RunOptions(address=fake_cluster.address)) as services:
+        # run_driver cannot be used as is: on a cluster scaled to zero no node advertises the trajectory
+        # resource yet, so ensure_actor would not request it (see docs/testing.md). Same launches, with it.
+        planned = plan_launches(
+            workload,
+            run_id="autoscale",
+            redis_url=services.redis_url,
+            base_url=services.base_url,
+            testbed_address=services.testbed_address,
+            created_at=time.time(),
+        )
+        specs = [spec for spec, _ in planned]
+        launches = [
+            launch.model_copy(update={"resources": {TRAJECTORY_RESOURCE: 1.0}}) for _, launch in planned
+        ]
 
-    # Then: the autoscaler added worker nodes, and every trajectory ran to the end on one of them
-    assert len(seen_workers) >= math.ceil(trajectories / PER_NODE)
-    assert len(results) == trajectories
-    assert all(result["steps"] == 5 for result in results)
-    assert {result["node_id"] for result in results} <= seen_workers
+        # When: one real trajectory actor per trajectory is started and run to its end
+        handles = [ensure_actor(launch, services.adapters) for launch in launches]
+        pending = [handle.run.remote() for handle in handles]
+        refs = list(pending)
+        seen: set[str] = set()
+        deadline = time.monotonic() + SCALE_WAIT_S
+        while pending and time.monotonic() < deadline:
+            seen |= _alive_worker_ids()
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        seen |= _alive_worker_ids()
+        assert not pending, (
+            f"{len(pending)} of {trajectories} trajectories unfinished after {SCALE_WAIT_S:.0f}s"
+        )
+        summaries: list[dict[str, Any]] = ray.get(refs)
+
+        # Then: the autoscaler added worker nodes, and every trajectory holds a slot only workers offer
+        assert len(seen) >= math.ceil(trajectories / PER_NODE)
+        assert _poll(lambda: _trajectory_slots_in_use() == trajectories, timeout=10.0)
+        # Then: every trajectory finished in the state its script implies
+        assert [(spec.id, s["state"]) for spec, s in zip(specs, summaries, strict=True)] == [
+            (spec.id, spec.expected_state) for spec in specs
+        ]
+        for handle in handles:
+            ray.kill(handle)  # a finished trajectory's actor goes away and releases its slot
+
     # Then: once the trajectories are gone the idle workers are removed
     assert _poll(lambda: _alive_worker_ids() == set(), timeout=SCALE_WAIT_S), (
         f"idle workers still alive after {SCALE_WAIT_S:.0f}s: {_alive_worker_ids()}"
