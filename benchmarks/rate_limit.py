@@ -89,6 +89,7 @@ class RunSpec:
     tokens_per_s: float = 400.0
     seed: int = 7
     use_ray: bool = False
+    headroom: float = HEADROOM  # the scheduler's default: capacity = limit x (1 - headroom)
 
     @property
     def limit_tpm(self) -> float:
@@ -238,7 +239,7 @@ def limits_for(spec: RunSpec, share: float = 1.0) -> ProviderLimits:
     return ProviderLimits(
         tokens_per_minute=max(1, int(spec.limit_tokens * share)),
         requests_per_minute=max(2, int(spec.limit_requests * share)),
-        headroom=HEADROOM,
+        headroom=spec.headroom,
         window_s=spec.window_s,
     )
 
@@ -387,7 +388,7 @@ def write_png(path: Path, spec: RunSpec, results: dict[str, dict[str, Any]]) -> 
         ]
         ax_t.plot(range(horizon), rolling, label=f"{policy} (goodput {result['goodput_ratio']:.2f} L)")
     ax_t.axhline(1.0, color="grey", linestyle=":", label="provider limit L")
-    ax_t.axhline(1.0 - HEADROOM, color="grey", linestyle="--", linewidth=0.8, label="L * (1 - headroom)")
+    ax_t.axhline(1.0 - spec.headroom, color="grey", linestyle="--", linewidth=0.8, label="L * (1 - headroom)")
     ax_t.axvline(spec.warmup_s, color="black", linewidth=0.6)
     ax_t.set_xlabel("seconds since start (measured after the vertical line)")
     ax_t.set_ylabel(f"accepted tokens in the last {spec.window_s:g} s / L")
@@ -461,7 +462,7 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
             "limit_requests_per_window": spec.limit_requests,
             "warmup_s": spec.warmup_s,
             "measure_s": spec.measure_s,
-            "headroom": HEADROOM,
+            "headroom": spec.headroom,
             "scheduler": "SchedulerHandle (Ray actor)" if spec.use_ray else "InProcessScheduler (same core)",
             "trajectory": "asyncio task in one process: model call, tool time, model call, ...",
             "classes": [c.__dict__ for c in CLASSES],
@@ -484,9 +485,12 @@ def main(argv: list[str] | None = None) -> None:
         "--ray", action="store_true", help="admit through the scheduler actor instead of in-process"
     )
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--headroom", type=float, default=HEADROOM, help="scheduler headroom below the limit (default 0.05)"
+    )
     args = parser.parse_args(argv)
     spec = QUICK if args.quick else FULL
-    overrides: dict[str, Any] = {"use_ray": args.ray}
+    overrides: dict[str, Any] = {"use_ray": args.ray, "headroom": args.headroom}
     if args.trajectories:
         overrides["trajectories"] = args.trajectories
     if args.measure_s:
