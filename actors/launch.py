@@ -108,7 +108,10 @@ class TrajectoryLaunch(_Frozen):
     approval_quorum: int = Field(1, ge=1)
     tool_timeout_s: Positive = 30.0
     hibernate_after_s: Positive | None = None
-    workspace_root: str | None = None  # sandbox workspaces; None: no sandbox
+    workspace_root: str | None = None  # sandbox workspaces (<root>/<trajectory id>); None: no sandbox
+    # What run_command runs when the model's argv is empty (set by the operator, never by the model);
+    # empty: such a call is refused. See actors.tools_local.SandboxCommand.
+    sandbox_default_argv: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     resources: dict[str, Positive] | None = None  # None: {"tether_trajectory": 1} where defined
 
     @field_validator("trajectory_id")

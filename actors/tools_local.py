@@ -13,32 +13,44 @@ it safely) with the function that performs it. The port keeps its own effect tab
 Outcomes follow the settlement rule: a function that returned established its effect; one that raised
 ``InputError`` was a client rejection (nothing happened); anything else is an infrastructure failure whose
 effect is unknown.
+
+Built-ins: ``noop``, ``sleep`` and ``run_command`` (a command in the trajectory's process sandbox,
+``actors.sandbox.Sandbox``; see ``SandboxCommand`` for how it is classified and why).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import os
+import signal
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.errors import InputError
+from actors.sandbox import Sandbox
+from runtime.errors import InputError, PolicyRefusal
 from runtime.ports import OutcomeClass, Settlement, ToolInvocation, ToolOutcome
 from runtime.tools import RepeatContract, SideEffect, ToolContract
 
 __all__ = [
     "LOCAL_SCOPE",
+    "SANDBOX_POOL",
+    "CommandRefused",
     "LocalTool",
     "LocalToolPort",
     "NoArgs",
+    "RunCommandArgs",
+    "SandboxCommand",
     "SleepArgs",
     "builtin_tools",
 ]
 
 LOCAL_SCOPE = "local"  # the dependency scope of in-process tools: this actor's own process
+SANDBOX_POOL = "sandbox"  # the scheduler's semaphore of concurrently running sandboxed commands
 
 ToolFunction = Callable[[Any], Any | Awaitable[Any]]
 
@@ -157,8 +169,135 @@ async def _sleep(args: SleepArgs) -> Mapping[str, Any]:
     return {"slept_s": args.seconds}
 
 
-def builtin_tools() -> dict[str, LocalTool]:
-    """The in-process tools a workload may name with ``source: builtin``."""
+Arg = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class RunCommandArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    argv: list[Arg] = Field(
+        max_length=256,
+        description="the program and its arguments, e.g. ['pytest', '-q'] (no shell unless you name one); "
+        "an empty list runs the workspace's configured default command, if the operator set one",
+    )
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=86_400.0,
+        description="seconds before the command's process group is killed; default and upper bound: the "
+        "trajectory's tool timeout",
+    )
+
+
+class CommandRefused(InputError):
+    """``run_command`` ran nothing: no sandbox, no command, or the sandbox was killed or cannot isolate."""
+
+
+class SandboxCommand:
+    """The body of ``run_command`` over one trajectory's sandbox.
+
+    Classification (``ToolContract``), honestly: the command runs in the trajectory's workspace, in its own
+    process group, under rlimits and without network (``isolate_network``; the sandbox refuses to run it
+    when the host cannot cut the network), but this local sandbox does not isolate the filesystem or
+    snapshot the workspace. What a command did can therefore not be undone by Tether: it is IRREVERSIBLE,
+    and since running it twice may not equal running it once it is NEVER_REPEAT (an outcome lost to a crash
+    or a kill stays *in doubt* with an owner, never re-run). It is not approval-gated by default: the
+    sandbox bounds what a call can reach and "the gate is reserved for the calls they cannot make safe"
+    (harness chapter, approval gates); a workload that wants a person on every command lists it in
+    ``approval_required``.
+
+    The empty ``argv``: a scripted model (``testbed/provider``) fills a list argument with ``[]``. An empty
+    list then means "the workspace's default command" (``TrajectoryLaunch.sandbox_default_argv``, set by
+    the operator, never by the model); with no default configured it is refused, nothing runs.
+
+    A call cancelled by its caller (deadline, cancel) kills its own process group and waits until the
+    sandbox has reaped it; a trajectory kill tears every group down through ``Sandbox.kill_all``.
+    """
+
+    def __init__(
+        self,
+        sandbox: Sandbox | None,
+        default_argv: Sequence[str] = (),
+        *,
+        max_timeout_s: float | None = None,
+        output_chars: int = 4000,
+    ) -> None:
+        self.sandbox = sandbox
+        self.default_argv = tuple(default_argv)
+        self.max_timeout_s = max_timeout_s
+        self.output_chars = output_chars
+        self._starting = asyncio.Lock()  # one start at a time, so the new process group is ours alone
+
+    async def __call__(self, args: RunCommandArgs) -> Mapping[str, Any]:
+        sandbox = self.sandbox
+        if sandbox is None:
+            raise CommandRefused("this trajectory has no sandbox (no workspace root)", where="run_command")
+        argv = tuple(args.argv) or self.default_argv
+        if not argv:
+            raise CommandRefused(
+                "argv is empty and no default command is configured", where="run_command.argv"
+            )
+        timeout = _timeout(args.timeout_s, self.max_timeout_s)
+        async with self._starting:
+            before = sandbox.live_process_groups
+            task = asyncio.ensure_future(sandbox.run(argv, timeout, network=False))
+            pgid = await _new_group(sandbox, before, task)
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if pgid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(BaseException):  # the sandbox's run reaps the group, then ends
+                await asyncio.wait_for(task, 10.0)
+            raise
+        except PolicyRefusal as e:  # SandboxClosed (killed), NetworkIsolationUnavailable: nothing started
+            raise CommandRefused(str(e), where="run_command") from e
+        tail = self.output_chars
+        return {
+            "argv": list(argv),
+            "exit_code": result.exit_code,
+            "stdout": result.stdout[-tail:],
+            "stderr": result.stderr[-tail:],
+            "timed_out": result.timed_out,
+            "killed": result.killed,
+            "truncated": result.truncated or len(result.stdout) > tail or len(result.stderr) > tail,
+            "network_isolated": result.network_isolated,
+        }
+
+
+_FALLBACK_TIMEOUT_S = 30.0  # when neither the call nor the trajectory names one
+
+
+def _timeout(asked: float | None, cap: float | None) -> float:
+    if asked is None:
+        return cap if cap is not None else _FALLBACK_TIMEOUT_S
+    return asked if cap is None else min(asked, cap)
+
+
+async def _new_group(sandbox: Sandbox, before: frozenset[int], task: asyncio.Future[Any]) -> int | None:
+    """The process group ``task`` started (None if it ended, or failed, before one was seen)."""
+    while not task.done():
+        fresh = sandbox.live_process_groups - before
+        if fresh:
+            return min(fresh)
+        await asyncio.sleep(0.001)
+    return None
+
+
+def builtin_tools(
+    sandbox: Sandbox | None = None,
+    *,
+    default_argv: Sequence[str] = (),
+    max_command_timeout_s: float | None = None,
+) -> dict[str, LocalTool]:
+    """The in-process tools a workload may name with ``source: builtin``.
+
+    ``sandbox`` is the trajectory's process sandbox (``run_command`` is refused without one);
+    ``default_argv`` what an empty ``argv`` runs; ``max_command_timeout_s`` caps a command's timeout (the
+    trajectory's tool timeout). The contracts do not depend on these.
+    """
+    command = SandboxCommand(sandbox, default_argv, max_timeout_s=max_command_timeout_s)
     tools = [
         LocalTool(
             ToolContract(
@@ -181,6 +320,21 @@ def builtin_tools() -> dict[str, LocalTool]:
                 dependency_scope=LOCAL_SCOPE,
             ),
             _sleep,
+        ),
+        LocalTool(
+            ToolContract(
+                name="run_command",
+                description="Run a command in this trajectory's sandbox workspace (own process group, "
+                "resource limits, no network) and report its exit code and the tail of its output.",
+                arguments=RunCommandArgs,
+                side_effect=SideEffect.IRREVERSIBLE,
+                repeat=RepeatContract.NEVER_REPEAT,
+                needs_approval=False,  # see SandboxCommand: the sandbox bounds it; approval_required opts in
+                dependency_scope=LOCAL_SCOPE,
+                sandbox_pool=SANDBOX_POOL,
+                isolate_network=True,
+            ),
+            command,
         ),
     ]
     return {t.name: t for t in tools}

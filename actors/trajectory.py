@@ -39,7 +39,7 @@ from actors.wiring import BuiltPorts, SplitGuard, build_config, build_created, b
 from breakers.inprocess import InProcessGuard
 from runtime.clock import SystemClock
 from runtime.dispatch import NoGuard
-from runtime.errors import CodecError, ControlError
+from runtime.errors import CodecError, ControlError, InputError
 from runtime.events import Event
 from runtime.harness import Harness, RunOutcome
 from runtime.memstore import check_trajectory_id
@@ -98,6 +98,7 @@ class TrajectoryActor:
         self._adapters = adapters
         self._verifier: ControlVerifier | None = None  # one per incarnation: it caches the keyring
         self._inflight: dict[str, asyncio.Future[str]] = {}  # message id -> the delivery answering it
+        self._sandbox: Sandbox | None = None
         self._clock = SystemClock()
         self._start_lock = asyncio.Lock()
         self._harness: Harness | None = None
@@ -200,6 +201,8 @@ class TrajectoryActor:
             if held is None
             else {"tool": held.tool, "digest": held.digest, "expires_at": held.expires_at},
             "pid": os.getpid(),
+            # process groups of sandboxed commands running now (kill tears them down)
+            "sandbox_groups": sorted(self._sandbox.live_process_groups) if self._sandbox else [],
         }
 
     def pid(self) -> int:
@@ -244,14 +247,17 @@ class TrajectoryActor:
             launch = self.launch
             registry = build_registry(launch)
             guard = self._guard()
+            sandbox = self._sandbox = self._make_sandbox()
             self._built = build_ports(
-                launch, self._clock, admission=self._admission(), guard=guard, logs=self._adapters
+                launch,
+                self._clock,
+                admission=self._admission(),
+                guard=guard,
+                logs=self._adapters,
+                sandbox=sandbox,
             )
             events = self._adapters.live_events(launch.redis_url)
             self._status = StatusPublisher(self._client(), events, launch.trajectory_id, self._clock)
-            sandbox = (
-                Sandbox(launch.trajectory_id, Path(launch.workspace_root)) if launch.workspace_root else None
-            )
             harness = Harness(
                 launch.trajectory_id,
                 self._built.ports,
@@ -263,6 +269,20 @@ class TrajectoryActor:
             self._status.show(harness.record)
             self._harness = harness
             return harness
+
+    def _make_sandbox(self) -> Sandbox | None:
+        """The trajectory's process sandbox, when the launch names a workspace root. A sandbox that cannot
+        be made (an id that is no safe directory name) leaves the trajectory without one: its sandboxed
+        tools are refused, everything else runs."""
+        root = self.launch.workspace_root
+        if not root:
+            return None
+        try:
+            # run_command's contract promises no network: refuse to run rather than run connected
+            return Sandbox(self.launch.trajectory_id, Path(root), require_network_isolation=True)
+        except InputError as e:
+            _log.warning("no sandbox for %s: %s", self.launch.trajectory_id, e)
+            return None
 
     def _admission(self) -> AdmissionPort:
         from scheduler.actor import SCHEDULER_NAME, SCHEDULER_NAMESPACE, SchedulerHandle

@@ -25,6 +25,7 @@ from actors.contracts import testbed_contracts
 from actors.launch import TrajectoryLaunch
 from actors.model_openai import OpenAIModel
 from actors.ports import ClosableLogStore
+from actors.sandbox import Sandbox
 from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
 from breakers.retry import AttemptResult, RetryAction, RetryDecision, RetryOwner, RetryPolicy
@@ -272,10 +273,12 @@ def build_ports(
     logs: LogStoreFactory,
     guard: GuardPort | None = None,
     env: Mapping[str, str] | None = None,
+    sandbox: Sandbox | None = None,
 ) -> BuiltPorts:
     """Log store, model, tools and retry owner for ``launch``; admission and guard are chosen by the caller
     (the actor knows whether a scheduler actor exists and whether it runs inside Ray), the log store comes
-    from ``logs`` (the cluster layer, injected)."""
+    from ``logs`` (the cluster layer, injected); ``sandbox`` is the trajectory's process sandbox, where
+    ``run_command`` runs."""
     env = os.environ if env is None else env
     closers: list[Closer] = []
     log = logs.open_log(launch.redis_url)
@@ -293,7 +296,11 @@ def build_ports(
         closers.append(grpc_port.close)
         routes.update(dict.fromkeys(launch.tool_routes, grpc_port))
     if launch.local_tools:
-        builtins = builtin_tools()
+        builtins = builtin_tools(
+            sandbox,
+            default_argv=launch.sandbox_default_argv,
+            max_command_timeout_s=launch.tool_timeout_s,
+        )
         local = LocalToolPort(builtins[n] for n in launch.local_tools)
         routes.update(dict.fromkeys(launch.local_tools, local))
     ports = HarnessPorts(

@@ -65,6 +65,7 @@ class RunOptions:
     run_id: str | None = None  # None: a fresh id (a repeated id resumes that run's trajectories)
     poll_s: float = 0.25
     relays: int = 1  # control relays started for the run (at least one per cluster)
+    sandboxes: int = 4  # sandboxed commands (run_command) running at once across the run
 
 
 @dataclass(frozen=True)
@@ -333,16 +334,24 @@ class Services:
             self._stack.callback(stop_relays, ours)
 
     def _start_scheduler(self) -> None:
+        from actors.tools_local import SANDBOX_POOL
         from scheduler.actor import SchedulerHandle
-        from scheduler.config import ProviderLimits, SchedulerConfig
+        from scheduler.config import ProviderLimits, SandboxPoolConfig, SchedulerConfig
 
         p = self.workload.provider
         key = f"{self.base_url}|{p.model}"
         limits = ProviderLimits(
             tokens_per_minute=p.limits.tpm, requests_per_minute=p.limits.rpm, headroom=p.headroom
         )
+        classes = dict(self.workload.classes)
         scheduler = SchedulerHandle.connect(
-            SchedulerConfig(providers={key: limits}, class_weights=dict(self.workload.classes))
+            SchedulerConfig(
+                providers={key: limits},
+                class_weights=classes,
+                # run_command's permits: at most this many sandboxed commands run at once, cluster-wide
+                pools={SANDBOX_POOL: SandboxPoolConfig(size=self.options.sandboxes)},
+                reserved_class=max(classes, key=lambda c: classes[c]),  # nothing reserved (reserved=0)
+            )
         )
         self.actor_handles.append(scheduler.actor)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -487,3 +488,42 @@ async def test_kill_mid_tool_call_acts_at_once_and_leaves_the_call_in_doubt(plan
     assert op.in_doubt and op.owner == tid
     states = [(e.from_state, e.to_state) for e in kinds(await plane.events(tid), StateChanged)]
     assert (S.WAITING_TOOL, S.READY) in states[-4:] and states[-2][1] is S.FINALIZING
+
+
+async def test_kill_while_a_sandboxed_command_runs_leaves_no_process_and_the_call_in_doubt(
+    plane: Plane, tmp_path: Path
+) -> None:
+    # Given a trajectory whose model calls run_command; the operator's default command (what the scripted
+    # model's empty argv runs) is a shell with a child, so the sandbox holds a two-process group
+    tid = plane.launch(
+        "finish_after:1",
+        grants=("run_command",),
+        local_tools=("run_command",),
+        workspace_root=str(tmp_path / "workspaces"),
+        sandbox_default_argv=("sh", "-c", "sleep 30 & wait"),
+    )
+    actor = ray.get_actor(f"traj:{tid}", namespace="tether")
+
+    async def running_group() -> int | None:
+        status = await actor.status.remote()
+        groups: list[int] = status["sandbox_groups"]
+        return groups[0] if groups else None
+
+    pgid = await eventually(running_group, "the sandboxed command to start")
+    os.killpg(pgid, 0)  # the group exists now (raises otherwise)
+    rec = await plane.state(tid, S.WAITING_TOOL)
+    (pending,) = rec.pending_calls.values()
+
+    # When an operator kills the trajectory
+    await plane.client.kill(tid, issuer="alice", reason="runaway command")
+    summary = await plane.finished(tid)
+
+    # Then the process group is gone (every member, not just the leader) ...
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    # ... the trajectory ended KILLED through FINALIZING, and the command's call is in doubt, not failed
+    final = await plane.record(tid)
+    assert summary["exit_reason"] == "KILLED" and final.is_terminal
+    op = final.operations[pending.operation_id]
+    assert op.in_doubt and op.owner == tid
+    assert [e.tool for e in kinds(await plane.events(tid), ToolDispatchIntent)] == ["run_command"]

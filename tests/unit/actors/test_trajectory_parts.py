@@ -204,8 +204,10 @@ trajectories:
         base_url="http://p/v1",
         testbed_address="127.0.0.1:9",
         created_at=5.0,
+        workspace_root="/srv/tether/workspaces",
     )
     launches = [launch for _, launch in planned]
+    assert {lt.workspace_root for lt in launches} == {"/srv/tether/workspaces"}  # every one gets a sandbox
     assert [lt.trajectory_id for lt in launches] == ["r1.a-0", "r1.a-1", "r1.b"]
     assert all(
         lt.tool_routes == {"run_tests": "127.0.0.1:9"} and lt.local_tools == ("noop",) for lt in launches
