@@ -31,6 +31,7 @@ from scheduler.drr import DeficitRoundRobin
 from scheduler.errors import Predicate, SchedulerInputError
 from scheduler.hooks import NoopMetrics, SchedulerMetrics
 from scheduler.inprocess import AlwaysAdmit, InProcessScheduler
+from scheduler.observe import MetricsAdapter
 from scheduler.sandbox import SandboxPool
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "FeedbackConfig",
     "InProcessScheduler",
     "LaneView",
+    "MetricsAdapter",
     "NoopMetrics",
     "PermitGranted",
     "PoolView",
