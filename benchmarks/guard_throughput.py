@@ -140,6 +140,7 @@ def main() -> None:
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(
+        _node_ip_address="127.0.0.1",  # loopback only
         num_cpus=2,
         include_dashboard=False,
         namespace="tether",

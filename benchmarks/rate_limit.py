@@ -437,7 +437,13 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
         if spec.use_ray:
             import ray
 
-            ray.init(num_cpus=1, include_dashboard=False, namespace="tether", logging_level=logging.WARNING)
+            ray.init(
+                _node_ip_address="127.0.0.1",  # loopback only
+                num_cpus=1,
+                include_dashboard=False,
+                namespace="tether",
+                logging_level=logging.WARNING,
+            )
         results: dict[str, dict[str, Any]] = {}
         for policy in policies:
             results[policy] = await run_policy(

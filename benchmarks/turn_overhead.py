@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(data_dir=Path(tmp) / "redis") as server:
         ray.init(
+            _node_ip_address="127.0.0.1",  # loopback only
             num_cpus=2,
             include_dashboard=False,
             namespace="tether",

@@ -97,6 +97,7 @@ def ray_with_metrics_export() -> Iterator[int]:
 
     port = free_tcp_port()
     ray.init(
+        _node_ip_address="127.0.0.1",  # loopback only
         num_cpus=1,
         include_dashboard=False,
         namespace="tether",
