@@ -1,18 +1,24 @@
-"""Control latency with many live trajectories: XADD -> durably recorded, and kill -> trajectory ended.
+"""Control latency with many live trajectories: XADD -> durably recorded, and kill -> sandbox process
+group gone.
 
 Setup: one private ``redis-server`` (AOF, ``appendfsync always``), the simulated provider, a local Ray
-(2 CPUs), two relay actors, and N real trajectory actors (``actors.trajectory``), each paused at a turn
-boundary so it is live but idle (hibernation off).
+(2 CPUs, loopback), two relay actors, and N real trajectory actors (``actors.trajectory``). Each one's
+model called the built-in ``run_command`` tool, whose command (the launch's ``sandbox_default_argv``,
+``sh -c "sleep 3600 & wait"``: a two-process group) runs in the trajectory's real process sandbox, so
+every trajectory is live but idle in WAITING_TOOL with a process group to tear down (hibernation off).
 
-- ``record_ms``: rounds of one signed interrupt to every trajectory, published back to back. For each
-  message, the time from its ``tether:control`` entry to the ``ControlRequested`` entry in the trajectory's
-  log, both read from the Redis stream ids (the same server clock, millisecond resolution): the request is
-  durable when that log entry exists (AOF fsync before the reply).
-- ``kill_ms``: one kill per trajectory, published back to back; time from the kill's stream entry to the
-  terminal ``StateChanged`` in the trajectory's log (the harness awaits the sandbox teardown hook as part of
-  kill; see ``sandbox_teardown_ms`` for what tearing a real process group down costs).
+- ``record_ms``: one signed interrupt at a time, round robin over the trajectories. For each message, the
+  time from its ``tether:control`` entry to the ``ControlRequested`` entry in the trajectory's log, both read
+  from the Redis stream ids (the same server clock, millisecond resolution): the request is durable when
+  that log entry exists (AOF fsync before the reply). ``record_burst_ms``: one interrupt to every
+  trajectory published back to back.
+- ``kill_ms``: one kill at a time; time from just before the kill is published (``XADD``) until
+  ``os.killpg(pgid, 0)`` raises ``ProcessLookupError`` for that trajectory's sandbox group (polled every
+  millisecond from this process: every member of the group is gone). ``kill_burst_ms``: the same with the
+  kills to the other half published back to back. ``kill_to_terminal_ms``: kill entry to the terminal
+  ``StateChanged`` in the log (server clock), for comparison.
 - ``sandbox_teardown_ms``: ``actors.sandbox.Sandbox.kill_all`` on N real sandboxed ``sleep`` process
-  groups (SIGTERM, SIGKILL after the grace, wait until ``killpg(pgid, 0)`` fails).
+  groups in this process (SIGTERM, SIGKILL after the grace, wait until ``killpg(pgid, 0)`` fails).
 - ``hibernated_bytes``: Redis ``MEMORY USAGE`` summed over one hibernated trajectory's keys (log, launch,
   status, nonces), for H trajectories paused after a few turns.
 
@@ -74,16 +80,21 @@ class Fleet:
         self.cursors: dict[str, str] = {}
         self.runs: list[Any] = []
 
-    def launch(self, prefix: str, hibernate_after_s: float | None = None) -> str:
+    def launch(
+        self, prefix: str, hibernate_after_s: float | None = None, workspaces: Path | None = None
+    ) -> str:
+        """A trajectory; with ``workspaces`` it runs one long sandboxed command, else sleeps every turn."""
         tid = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        tool = "run_command" if workspaces is not None else "sleep"
         launch = TrajectoryLaunch(
             trajectory_id=tid,
-            goal="stay busy until paused",
+            goal="stay busy until stopped",
             ceilings={"tokens": 10_000_000},
-            grants=("sleep",),
-            local_tools=("sleep",),
+            grants=(tool,),
+            local_tools=(tool,),
             created_at=time.time(),
-            metadata={"scenario": "finish_after:1000"},
+            deadline_s=86_400.0,
+            metadata={"scenario": "finish_after:1" if workspaces is not None else "finish_after:1000"},
             provider=ProviderLaunch(base_url=self.provider_url, model="sim"),
             redis_url=self.url,
             use_scheduler=False,
@@ -91,6 +102,9 @@ class Fleet:
             keyring_path=str(self.keyring),
             completion_check=CheckLaunch(name="always"),
             hibernate_after_s=hibernate_after_s,
+            workspace_root=str(workspaces) if workspaces is not None else None,
+            sandbox_default_argv=("sh", "-c", "sleep 3600 & wait") if workspaces is not None else (),
+            tool_timeout_s=3600.0,
         )
         save_launch(self.url, launch)
         self.runs.append(ensure_actor(launch, ClusterAdapters()).run.remote())
@@ -186,42 +200,94 @@ async def record_paced(fleet: Fleet, tids: list[str], rounds: int) -> list[float
     return samples
 
 
-async def kill_paced(fleet: Fleet, tids: list[str]) -> list[float]:
-    """One kill at a time; ms from the kill's entry to the terminal state entry."""
-    samples: list[float] = []
+async def sandbox_groups(tids: list[str], timeout_s: float = 600.0) -> dict[str, int]:
+    """Each trajectory's running sandbox process group, from the actor's own status."""
+    groups: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(groups) < len(tids):
+        for tid in tids:
+            if tid in groups:
+                continue
+            actor = ray.get_actor(f"traj:{tid}", namespace="tether")
+            status = await actor.status.remote()
+            if status["sandbox_groups"]:
+                groups[tid] = int(status["sandbox_groups"][0])
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(tids) - len(groups)} trajectories never started their command")
+        await asyncio.sleep(0.1)
+    return groups
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def kill_paced(
+    fleet: Fleet, tids: list[str], groups: dict[str, int]
+) -> tuple[list[float], list[float]]:
+    """One kill at a time: ms until the sandbox group is gone, and ms from the kill entry to the terminal
+    state entry in the log."""
+    gone: list[float] = []
+    terminal: list[float] = []
     for tid in tids:
+        pgid = groups[tid]
+        assert group_alive(pgid), f"{tid}'s command ended before the kill"
+        t0 = time.perf_counter()
         s = await fleet.client.send(
             tid, ControlAction.KILL, issuer="operator", reason="bench", check_known=False
         )
+        deadline = t0 + 60.0
+        while group_alive(pgid):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{tid}: process group {pgid} survived the kill")
+            await asyncio.sleep(0.001)
+        gone.append((time.perf_counter() - t0) * 1000.0)
         at = await _await_entry(
             fleet, tid, lambda e: isinstance(e, StateChanged) and e.to_state in _TERMINAL, "terminal state"
         )
-        samples.append(float(at - entry_ms(s.entry_id)))
-    return samples
+        terminal.append(float(at - entry_ms(s.entry_id)))
+    return gone, terminal
 
 
-async def kill_all(fleet: Fleet, tids: list[str]) -> list[float]:
-    """One kill per trajectory, back to back; ms from the kill's entry to the terminal state entry."""
-    published: dict[str, int] = {}
+async def kill_all(fleet: Fleet, tids: list[str], groups: dict[str, int]) -> tuple[list[float], list[float]]:
+    """One kill per trajectory, back to back: ms from each kill's publication until its group is gone, and
+    from its entry to the terminal state entry."""
+    published: dict[str, float] = {}
+    entries: dict[str, int] = {}
     for tid in tids:
+        published[tid] = time.perf_counter()
         s = await fleet.client.send(
             tid, ControlAction.KILL, issuer="operator", reason="bench", check_known=False
         )
-        published[tid] = entry_ms(s.entry_id)
-    samples: list[float] = []
-    left = dict(published)
-    deadline = time.monotonic() + 120.0
+        entries[tid] = entry_ms(s.entry_id)
+    gone: list[float] = []
+    alive = dict(published)
+    deadline = time.perf_counter() + 120.0
+    while alive:
+        for tid in list(alive):
+            if not group_alive(groups[tid]):
+                gone.append((time.perf_counter() - alive.pop(tid)) * 1000.0)
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{len(alive)} process groups survived their kill")
+        await asyncio.sleep(0.001)
+    terminal: list[float] = []
+    left = dict(entries)
+    deadline = time.perf_counter() + 120.0
     while left:
         for tid, at_publish in list(left.items()):
             for at, event in await fleet.new_log_entries(tid):
                 if isinstance(event, StateChanged) and event.to_state in _TERMINAL:
-                    samples.append(float(at - at_publish))
+                    terminal.append(float(at - at_publish))
                     del left[tid]
                     break
-        if time.monotonic() > deadline:
+        if time.perf_counter() > deadline:
             raise TimeoutError(f"{len(left)} kills never ended their trajectory")
         await asyncio.sleep(0.05)
-    return samples
+    return gone, terminal
 
 
 async def sandbox_teardown(n: int, root: Path) -> list[float]:
@@ -286,6 +352,7 @@ async def hibernated_bytes(fleet: Fleet, h: int) -> dict[str, Any]:
 
 
 async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, Any]:
+    load_at_start = round(os.getloadavg()[0], 2)
     server = RedisServer(data_dir=workdir / "redis").start()
     provider = start_provider_thread(ProviderConfig())
     keyring = workdir / "keyring.yaml"
@@ -298,17 +365,16 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         logging_level=logging.ERROR,
         log_to_driver=False,
         resources={"tether_trajectory": 10_000},
+        _node_ip_address="127.0.0.1",
     )
     relays: list[Any] = []
     fleet = Fleet(server.url, provider.base_url, keyring)
     try:
         relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         t0 = time.perf_counter()
-        tids = [fleet.launch("bench") for _ in range(n)]
-        await fleet.wait_status(tids, lambda s: s.turns >= 1, "their first turn")
-        for tid in tids:
-            await fleet.client.send(tid, ControlAction.PAUSE, issuer="operator", check_known=False)
-        await fleet.wait_status(tids, lambda s: s.state == "PAUSED", "PAUSED")
+        tids = [fleet.launch("bench", workspaces=workdir / "workspaces") for _ in range(n)]
+        await fleet.wait_status(tids, lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
+        groups = await sandbox_groups(tids)
         startup_s = time.perf_counter() - t0
         for tid in tids:
             await fleet.new_log_entries(tid)  # move the cursors past everything so far
@@ -317,8 +383,9 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         for r in range(rounds):
             record_burst += await record_round(fleet, tids, r)
         half = len(tids) // 2
-        kills = await kill_paced(fleet, tids[:half])
-        kills_burst = await kill_all(fleet, tids[half:])
+        load_before_kills = os.getloadavg()[0]
+        kills, kills_terminal = await kill_paced(fleet, tids[:half], groups)
+        kills_burst, kills_burst_terminal = await kill_all(fleet, tids[half:], groups)
         teardown = await sandbox_teardown(min(n, 50), workdir / "sandboxes")
         hib = await hibernated_bytes(fleet, hibernated) if hibernated else None
     finally:
@@ -336,8 +403,9 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         {
             "XADD -> recorded (one at a time)": record,
             f"XADD -> recorded (burst of {n})": record_burst,
-            "kill -> terminal (one at a time)": kills,
-            f"kill -> terminal (burst of {n - n // 2})": kills_burst,
+            "kill -> group gone (one at a time)": kills,
+            f"kill -> group gone (burst of {n - n // 2})": kills_burst,
+            "kill -> terminal state logged (one at a time)": kills_terminal,
             "sandbox group teardown": teardown,
         },
         title=f"Control latency, {n} live trajectories, 2 relays (2-core machine)",
@@ -348,6 +416,8 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         "kill_ms": pct(kills),
         "record_burst_ms": pct(record_burst),
         "kill_burst_ms": pct(kills_burst),
+        "kill_to_terminal_ms": pct(kills_terminal),
+        "kill_burst_to_terminal_ms": pct(kills_burst_terminal),
         "sandbox_teardown_ms": pct(teardown),
         "hibernated_bytes": hib,
         "samples": {
@@ -355,17 +425,27 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
             "record_burst": len(record_burst),
             "kill": len(kills),
             "kill_burst": len(kills_burst),
+            "kill_to_terminal": len(kills_terminal),
             "sandbox_teardown": len(teardown),
         },
         "targets": {"record_p99_ms": 100, "kill_p99_ms": 500},
         "notes": (
-            "record_ms/kill_ms: one message at a time with all N trajectories live; *_burst_ms: one message "
-            "to every trajectory published back to back (queueing on 2 cores). "
-            "Times from Redis stream entry ids (server clock, 1 ms resolution); kill ends at the "
-            "terminal StateChanged in the trajectory log; sandbox_teardown_ms is Sandbox.kill_all on real "
-            "process groups (the harness awaits it inside kill)"
+            "record_ms/kill_ms: one message at a time with all N trajectories live, each waiting on a "
+            "sandboxed run_command (sh + sleep); *_burst_ms: one message to every trajectory published back "
+            "to back (queueing on 2 cores). record: Redis stream entry ids (server clock, 1 ms resolution). "
+            "kill_ms: from just before the kill's XADD until killpg(pgid, 0) fails for that trajectory's "
+            "sandbox process group (polled every ms by the benchmark process); kill_to_terminal_ms: kill "
+            "entry to the terminal StateChanged in the log; sandbox_teardown_ms: Sandbox.kill_all alone"
         ),
-        "setup": {"relays": 2, "ray_cpus": 2, "appendfsync": "always", "startup_s": round(startup_s, 1)},
+        "setup": {
+            "relays": 2,
+            "ray_cpus": 2,
+            "appendfsync": "always",
+            "startup_s": round(startup_s, 1),
+            "load_avg_1m_at_start": load_at_start,
+            "load_avg_1m_before_kills": round(load_before_kills, 2),
+            "sandbox_command": "sh -c 'sleep 3600 & wait' (run_command, empty argv -> launch default)",
+        },
         "environment": environment(),
     }
 
