@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import tempfile
 import time
 import uuid
@@ -51,6 +52,7 @@ from cluster.control import ControlAction
 from cluster.control_client import LAUNCH_PREFIX, ControlClient, status_key
 from cluster.log_store import FIELD, log_key
 from cluster.redis_server import RedisServer
+from cluster.runner import keep_ray_on_loopback
 from cluster.signing import Role, create_key
 from runtime.codec import decode
 from runtime.events import ControlRequested, StateChanged
@@ -200,9 +202,8 @@ async def record_paced(fleet: Fleet, tids: list[str], rounds: int) -> list[float
     return samples
 
 
-async def sandbox_groups(tids: list[str], timeout_s: float = 600.0) -> dict[str, int]:
-    """Each trajectory's running sandbox process group, from the actor's own status."""
-    groups: dict[str, int] = {}
+async def sandbox_groups(tids: list[str], groups: dict[str, int], timeout_s: float = 600.0) -> None:
+    """Fill ``groups`` with each trajectory's running sandbox process group, from the actor's status."""
     deadline = time.monotonic() + timeout_s
     while len(groups) < len(tids):
         for tid in tids:
@@ -215,7 +216,6 @@ async def sandbox_groups(tids: list[str], timeout_s: float = 600.0) -> dict[str,
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(tids) - len(groups)} trajectories never started their command")
         await asyncio.sleep(0.1)
-    return groups
 
 
 def group_alive(pgid: int) -> bool:
@@ -358,6 +358,7 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     keyring = workdir / "keyring.yaml"
     create_key("operator", [Role.OPERATOR], keyring)
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    keep_ray_on_loopback()
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -368,13 +369,14 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         _node_ip_address="127.0.0.1",
     )
     relays: list[Any] = []
+    groups: dict[str, int] = {}
     fleet = Fleet(server.url, provider.base_url, keyring)
     try:
         relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         t0 = time.perf_counter()
         tids = [fleet.launch("bench", workspaces=workdir / "workspaces") for _ in range(n)]
         await fleet.wait_status(tids, lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
-        groups = await sandbox_groups(tids)
+        await sandbox_groups(tids, groups)
         startup_s = time.perf_counter() - t0
         for tid in tids:
             await fleet.new_log_entries(tid)  # move the cursors past everything so far
@@ -389,6 +391,9 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         teardown = await sandbox_teardown(min(n, 50), workdir / "sandboxes")
         hib = await hibernated_bytes(fleet, hibernated) if hibernated else None
     finally:
+        for pgid in groups.values():  # an interrupted run: no sandboxed command outlives the benchmark
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
         stop_relays(relays)
         await fleet.close()
         ray.shutdown()

@@ -41,6 +41,7 @@ __all__ = [
     "RunResult",
     "Services",
     "TrajectoryResult",
+    "keep_ray_on_loopback",
     "plan_launches",
     "prewarm_workers",
     "request_capacity",
@@ -298,6 +299,7 @@ class Services:
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise DependencyError(f"cannot join the Ray cluster at {self.options.address}: {e}") from e
         else:
+            keep_ray_on_loopback()
             ray.init(
                 num_cpus=self.options.num_cpus,
                 include_dashboard=self.options.dashboard,
@@ -372,6 +374,23 @@ class Services:
             return {"requests": None, "rate_limited": None}
         stats = self.provider.stats()
         return {"requests": int(stats["requests"]), "rate_limited": int(stats["rate_limited"])}
+
+
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_on_loopback() -> None:
+    """Make the next local ``ray.init(_node_ip_address="127.0.0.1")`` really bind to loopback.
+
+    Ray resolves a loopback node address to the machine's routable one (``resolve_ip_for_localhost``)
+    unless "cluster mode" is off, which it reads from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, at
+    import. So: set it for the processes Ray starts (GCS, raylet, workers), and turn the already-imported
+    flag off in this one. Call only before starting a local Ray; joining a cluster is unaffected.
+    """
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def request_capacity(trajectories: int) -> None:

@@ -54,6 +54,36 @@ trajectories:
 """
 
 
+LOCAL_WORKLOAD = """\
+name: local
+provider: {kind: simulated, model: sim-small}
+tools: [{name: noop, source: builtin}]
+scheduler: false
+guard: local
+trajectories: [{id: a, grants: [noop]}]
+"""
+
+
+def test_a_local_run_keeps_ray_on_loopback_and_runs_its_relays(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given no Ray in this process yet (this test runs before the module's shared one is started)
+    import ray
+
+    assert not ray.is_initialized()
+    monkeypatch.setenv("TETHER_REDIS_URL", redis_url)
+    monkeypatch.setenv("TETHER_HOME", str(tmp_path / "home"))
+    workload = parse_workload(LOCAL_WORKLOAD, "local.yaml")
+    # When tether run's services start their own local Ray with two relays
+    with Services(workload, RunOptions(relays=2)) as services:
+        # Then every node of it is on loopback, and the relays are up
+        assert services.started_ray
+        assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
+        assert [ray.get(h.stats.remote())["running"] for h in services.relay_handles] == [True, True]
+    # And everything it started is stopped with it
+    assert not ray.is_initialized()
+
+
 async def test_small_workload_ends_in_expected_states_with_the_specified_report(
     ray_local: None, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
