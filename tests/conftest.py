@@ -10,6 +10,19 @@ import pytest
 
 from cluster.redis_server import RedisServer
 
+# Every Ray process these tests start (local ray.init, `ray start` heads, fake autoscaler workers, job
+# drivers) must stay on loopback. Ray maps 127.0.0.1 back to the machine's routable address while its
+# "cluster mode" is on, and all processes of one cluster must agree on the address, so the mode is turned
+# off for the whole session: the env var for child processes, the constant for this one (see
+# cluster.runner.keep_ray_on_loopback).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+try:
+    from ray._private import ray_constants as _ray_constants
+
+    _ray_constants.ENABLE_RAY_CLUSTER = False
+except ImportError:  # pragma: no cover - ray is a runtime dependency
+    pass
+
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
