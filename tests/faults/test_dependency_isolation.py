@@ -120,7 +120,8 @@ def tether_services(wl: Workload, redis_url: str, home: Path) -> Iterator[Servic
 
 def guard_snapshot(scope: str) -> GuardSnapshot:
     """The scope's breaker and bulkhead as its guard actor sees them."""
-    snapshot: GuardSnapshot = ray.get(ray.get_actor(actor_name(scope), namespace=NAMESPACE).snapshot.remote())
+    guard: Any = ray.get_actor(actor_name(scope), namespace=NAMESPACE)
+    snapshot: GuardSnapshot = ray.get(guard.snapshot.remote())
     return snapshot
 
 
@@ -260,7 +261,7 @@ class LostReplyRun:
 def lost_reply(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LostReplyRun]:
     home = tmp_path_factory.mktemp("lost-reply")
     redis = RedisServer(data_dir=home / "redis").start()
-    wl = workload("lost", tool_timeout_s=1.5, envs=3)
+    wl = workload("lost", tool_timeout_s=3.0, envs=3)  # generous: only the dropped replies may time out
     try:
         with tether_services(wl, redis.url, home / "home") as services:
             address = services.testbed_address
@@ -360,10 +361,10 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
     # And once every environment the records know is released, what the ledger still bills is exactly
     # what the records mark in doubt: nothing is orphaned behind the runtime's back
     assert {env.effect_key for env in run_.released.orphaned_environments()} == set(doubtful)
-    # And the trajectory that lost no reply completed; the others could not count the lost result
-    states = sorted((r.state, r.exit_reason) for r in run_.result.results)
-    assert states.count(("COMPLETED", "COMPLETED")) >= 1
-    assert all(s in {("COMPLETED", "COMPLETED"), ("FAILED", "COMPLETION_CHECK_FAILED")} for s in states)
+    # And every trajectory that lost no reply completed (the fate of the others is the xfail below)
+    for r in run_.result.results:
+        if all(op.settled for op in run_.records[r.id].operations.values()):
+            assert (r.state, r.exit_reason, r.error) == ("COMPLETED", "COMPLETED", None)
 
 
 @pytest.mark.xfail(
@@ -371,7 +372,8 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
     reason=(
         "runtime/_tool_stage.py run_operation probes with the operation's own deadline, which the dropped "
         "reply has already used up; GrpcToolPort.probe_result then raises DeadlinePassed before sending, so "
-        "the endpoint's result recovery is never asked (recovery chapter: 'Lose the provisioning reply')"
+        "the endpoint's result recovery is never asked (recovery chapter: 'Lose the provisioning reply'). "
+        "Sometimes that DeadlinePassed escapes run(): the trajectory is left in WAITING_TOOL, never finalized"
     ),
 )
 def test_the_endpoints_result_recovery_settles_a_lost_reply(lost_reply: LostReplyRun) -> None:
@@ -387,3 +389,6 @@ def test_the_endpoints_result_recovery_settles_a_lost_reply(lost_reply: LostRepl
     # Then the probe-then-retry contract settled both from the endpoint's evidence, nothing is in doubt
     assert len(settled_by_probe) == 2
     assert in_doubt(lost_reply) == {}
+    # And every trajectory ran to a terminal state through FINALIZING, its actor's run() never failing
+    ended = [(r.name, r.state, r.error) for r in lost_reply.result.results]
+    assert all(state in {"COMPLETED", "FAILED"} and error is None for _, state, error in ended), ended
