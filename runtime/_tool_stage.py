@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime.dispatch import Verdict
 from runtime.errors import (
     DependencyError,
+    InputError,
     PolicyRefusal,
 )
 from runtime.events import (
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["ToolStage"]
 
 S = TrajectoryState
+_log = logging.getLogger(__name__)
 
 
 class ToolStage:
@@ -129,6 +132,18 @@ class ToolStage:
 
     def _needs_approval(self, tool: str) -> bool:
         return tool in self.h.record.grants.approval_required or self.h.registry.get(tool).requires_approval
+
+    async def _probe(self, tool: str, key: str) -> Settlement:
+        """Ask the endpoint what became of ``key`` (result recovery). A probe is a new, read-only question
+        with its own deadline: the operation's deadline is typically spent by the time one is needed (a
+        lost reply). Any failure to get an answer leaves the outcome unknown, never guessed."""
+        await self.h._flush()
+        deadline = self.h.ports.clock.wall() + self.h.config.tool_timeout_s
+        try:
+            return await self.h.ports.tools.probe(tool, key, deadline)
+        except Exception as e:
+            _log.warning("probe of %s for %s failed: %s", tool, key, e)
+            return Settlement.UNKNOWN
 
     def replay_watchdog(self, events: Sequence[Event]) -> None:
         """Rebuild the watchdog's window after a restart from the calls it saw: every held call and
@@ -264,6 +279,7 @@ class ToolStage:
                     return
                 attempt_id = retry.next_attempt(operation_id)
                 sandbox_permit = None
+                dispatched = True
                 try:
                     await self.h._append(
                         ToolDispatchIntent(
@@ -301,19 +317,32 @@ class ToolStage:
                         error=str(e),
                         retry_after=e.retry_after,
                     )
+                except (PolicyRefusal, InputError) as e:
+                    # refused locally before anything was sent (deadline already passed, no route): the
+                    # effect is known absent, and a local rejection never enters the breaker's window
+                    outcome = ToolOutcome(
+                        Settlement.ESTABLISHED_ABSENT, OutcomeClass.CLIENT_REJECTION, error=f"not sent: {e}"
+                    )
+                    dispatched = False
+                except Exception as e:
+                    # an adapter bug must not strand the trajectory; what happened is unknown
+                    _log.exception("tool adapter failed on %s (%s)", tool, call_id)
+                    outcome = ToolOutcome(
+                        Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, error=f"adapter error: {e}"
+                    )
                 finally:
                     if sandbox_permit is not None:
                         await self.h.ports.admission.release_sandbox(sandbox_permit.permit_id)
                     await self.h.ports.guard.release(permit)
-                await self.h.ports.guard.record(permit, outcome.outcome_class)
+                if dispatched:
+                    await self.h.ports.guard.record(permit, outcome.outcome_class)
                 result_event = on_tool_result(self.h.record, call_id, outcome, charge=contract.charge)
                 await self.h._append(result_event)
                 if isinstance(result_event, LateResultDropped):
                     return  # timed out or abandoned meanwhile: audited, never appended as a result
                 verdict = retry.decide(operation_id, outcome)
                 if verdict.verdict is Verdict.PROBE and contract.probe:
-                    await self.h._flush()
-                    settlement = await self.h.ports.tools.probe(tool, key, deadline)
+                    settlement = await self._probe(tool, key)
                     verdict = retry.after_probe(operation_id, settlement)
                     if settlement is not Settlement.UNKNOWN:
                         await self.h._append(OperationSettled(operation_id, settlement, "probe"))
@@ -347,10 +376,7 @@ class ToolStage:
                     self.run_operation(p.call_id, p.tool, args, None, op.operation_id)
                 )
             elif contract.probe:
-                await self.h._flush()
-                settlement = await self.h.ports.tools.probe(
-                    p.tool, op.effect_key, self.h.ports.clock.wall() + self.h.config.tool_timeout_s
-                )
+                settlement = await self._probe(p.tool, op.effect_key)
                 if settlement is not Settlement.UNKNOWN:
                     await self.h._append(OperationSettled(op.operation_id, settlement, "probe after restart"))
             else:
