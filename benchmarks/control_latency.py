@@ -36,6 +36,7 @@ import signal
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +56,14 @@ from cluster.redis_server import RedisServer
 from cluster.runner import keep_ray_on_loopback
 from cluster.signing import Role, create_key
 from runtime.codec import decode
+from runtime.errors import DependencyError
 from runtime.events import ControlRequested, StateChanged
 from runtime.states import TrajectoryState
 from testbed.provider.config import ProviderConfig
 from testbed.provider.launch import start_provider_thread
 
 NAME = "control_latency"
+LAUNCH_BATCH = 10  # trajectories started at a time during setup
 _TERMINAL = {TrajectoryState.COMPLETED, TrajectoryState.FAILED, TrajectoryState.CANCELED}
 
 
@@ -113,16 +116,23 @@ class Fleet:
         self.cursors[tid] = "0-0"
         return tid
 
-    async def wait_status(self, tids: list[str], check: Any, what: str, timeout_s: float = 600.0) -> None:
+    async def wait_status(self, tids: list[str], check: Any, what: str, timeout_s: float = 1200.0) -> None:
         deadline = time.monotonic() + timeout_s
         left = set(tids)
         while left:
+            seen: list[str] = []
             for tid in list(left):
-                s = await self.client.status(tid)
+                try:
+                    s = await self.client.status(tid)
+                except DependencyError:  # Redis slow to answer while a hundred workers start: ask again
+                    s = None
                 if s is not None and check(s):
                     left.discard(tid)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(left)} trajectories never reached {what}")
+                else:
+                    seen.append("not started" if s is None else f"{s.state}/{s.turns} turns")
+            if left and time.monotonic() > deadline:
+                states = ", ".join(f"{n} {state}" for state, n in sorted(Counter(seen).items()))
+                raise TimeoutError(f"{len(left)} trajectories never reached {what}: {states}")
             await asyncio.sleep(0.1)
 
     async def new_log_entries(self, tid: str) -> list[tuple[int, Any]]:
@@ -205,7 +215,7 @@ async def record_paced(fleet: Fleet, tids: list[str], rounds: int) -> list[float
 async def sandbox_groups(tids: list[str], groups: dict[str, int], timeout_s: float = 600.0) -> None:
     """Fill ``groups`` with each trajectory's running sandbox process group, from the actor's status."""
     deadline = time.monotonic() + timeout_s
-    while len(groups) < len(tids):
+    while any(tid not in groups for tid in tids):
         for tid in tids:
             if tid in groups:
                 continue
@@ -214,7 +224,8 @@ async def sandbox_groups(tids: list[str], groups: dict[str, int], timeout_s: flo
             if status["sandbox_groups"]:
                 groups[tid] = int(status["sandbox_groups"][0])
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(tids) - len(groups)} trajectories never started their command")
+            missing = sum(tid not in groups for tid in tids)
+            raise TimeoutError(f"{missing} trajectories never started their command")
         await asyncio.sleep(0.1)
 
 
@@ -374,9 +385,16 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     try:
         relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         t0 = time.perf_counter()
-        tids = [fleet.launch("bench", workspaces=workdir / "workspaces") for _ in range(n)]
-        await fleet.wait_status(tids, lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
-        await sandbox_groups(tids, groups)
+        tids: list[str] = []
+        # In batches: a hundred Ray workers importing at once starve this 2-core machine (and its Redis)
+        for start in range(0, n, LAUNCH_BATCH):
+            batch = [
+                fleet.launch("bench", workspaces=workdir / "workspaces")
+                for _ in range(min(LAUNCH_BATCH, n - start))
+            ]
+            tids += batch
+            await fleet.wait_status(batch, lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
+            await sandbox_groups(batch, groups)
         startup_s = time.perf_counter() - t0
         for tid in tids:
             await fleet.new_log_entries(tid)  # move the cursors past everything so far
