@@ -133,6 +133,26 @@ class ToolStage:
     def _needs_approval(self, tool: str) -> bool:
         return tool in self.h.record.grants.approval_required or self.h.registry.get(tool).requires_approval
 
+    async def _settle_late(
+        self, operation_id: str, tool: str, key: str, outcome: ToolOutcome, can_probe: bool
+    ) -> None:
+        """Settle an abandoned operation from a late result (correlated evidence), or by probing the
+        endpoint when the late result says nothing; otherwise it stays in doubt with its owner."""
+        op = self.h.record.operations.get(operation_id)
+        if (
+            op is None
+            or op.settled
+            or any(p.operation_id == operation_id for p in self.h.record.pending_calls.values())
+        ):
+            return
+        settlement = outcome.settlement
+        evidence = "late result"
+        if settlement is Settlement.UNKNOWN and can_probe:
+            settlement, evidence = await self._probe(tool, key), "probe after timeout"
+        if settlement is not Settlement.UNKNOWN:
+            await self.h._append(OperationSettled(operation_id, settlement, evidence))
+            await self.h._flush()
+
     async def _probe(self, tool: str, key: str) -> Settlement:
         """Ask the endpoint what became of ``key`` (result recovery). A probe is a new, read-only question
         with its own deadline: the operation's deadline is typically spent by the time one is needed (a
@@ -186,7 +206,8 @@ class ToolStage:
             if self.h._kill.is_set():
                 await self.abandon([t for t in tasks.values() if not t.done()], "killed")
                 return
-            for ev in expired_calls(self.h.record, self.h.ports.clock.wall()):
+            grace = self.h.config.deadline_grace_s
+            for ev in expired_calls(self.h.record, self.h.ports.clock.wall() - grace):
                 timed_out.add(ev.call_id)
                 await self.h._append(ev)
             holding = [t for cid, t in tasks.items() if not t.done() and cid not in timed_out]
@@ -195,7 +216,7 @@ class ToolStage:
                     await self.abandon([], "no live dispatch")  # e.g. results lost with a restart
                 break
             deadlines = [p.deadline for p in self.h.record.pending_calls.values()]
-            wait = max(0.0, min(deadlines) - self.h.ports.clock.wall()) if deadlines else None
+            wait = max(0.0, min(deadlines) + grace - self.h.ports.clock.wall()) if deadlines else None
             await self.h._flush()  # about to wait: timeouts and results so far are durable first
             self.h._changed.clear()
             kill_wait = asyncio.ensure_future(self.h._kill.wait())
@@ -339,7 +360,10 @@ class ToolStage:
                 result_event = on_tool_result(self.h.record, call_id, outcome, charge=contract.charge)
                 await self.h._append(result_event)
                 if isinstance(result_event, LateResultDropped):
-                    return  # timed out or abandoned meanwhile: audited, never appended as a result
+                    # timed out or abandoned meanwhile: audited, never appended as a result; but it is still
+                    # evidence about this operation's effect, so the operation table learns what it can
+                    await self._settle_late(operation_id, tool, key, outcome, contract.probe)
+                    return
                 verdict = retry.decide(operation_id, outcome)
                 if verdict.verdict is Verdict.PROBE and contract.probe:
                     settlement = await self._probe(tool, key)

@@ -361,21 +361,12 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
     # And once every environment the records know is released, what the ledger still bills is exactly
     # what the records mark in doubt: nothing is orphaned behind the runtime's back
     assert {env.effect_key for env in run_.released.orphaned_environments()} == set(doubtful)
-    # And every trajectory that lost no reply completed (the fate of the others is the xfail below)
+    # And every trajectory that lost no reply completed (the others: see the result-recovery test below)
     for r in run_.result.results:
         if all(op.settled for op in run_.records[r.id].operations.values()):
             assert (r.state, r.exit_reason, r.error) == ("COMPLETED", "COMPLETED", None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "runtime/_tool_stage.py run_operation probes with the operation's own deadline, which the dropped "
-        "reply has already used up; GrpcToolPort.probe_result then raises DeadlinePassed before sending, so "
-        "the endpoint's result recovery is never asked (recovery chapter: 'Lose the provisioning reply'). "
-        "Sometimes that DeadlinePassed escapes run(): the trajectory is left in WAITING_TOOL, never finalized"
-    ),
-)
 def test_the_endpoints_result_recovery_settles_a_lost_reply(lost_reply: LostReplyRun) -> None:
     # Given the same run: two provisioning replies were lost after their effects
     settled_by_probe = [

@@ -15,7 +15,7 @@ from runtime.events import LateResultDropped, ObservationAppended, ObservationKi
 from runtime.fingerprint import call_digest
 from runtime.fold import fold
 from runtime.memstore import MemoryLogStore
-from runtime.ports import ModelReply, StopReason, Usage
+from runtime.ports import ModelReply, Settlement, StopReason, Usage
 from runtime.record import AuditKind, ControlAction
 from runtime.states import ExitReason, TrajectoryState
 
@@ -129,6 +129,9 @@ async def test_tool_deadline_times_out_then_late_result_is_dropped_and_audited()
     assert any(a.kind is AuditKind.LATE_RESULT_DROPPED for a in rec.audit)
     assert not any(e.kind == "tool_result_accepted" for e in h.events)
     assert any(isinstance(e, LateResultDropped) for e in h.events)
+    # And the late result still settles its operation (correlated evidence), so nothing stays in doubt
+    op = next(iter(rec.operations.values()))
+    assert op.settlement is Settlement.ESTABLISHED and not op.in_doubt
 
 
 async def test_irreversible_call_waits_for_approval_then_dispatches_exactly_once() -> None:
