@@ -29,7 +29,11 @@ _STYLE = {"COMPLETED": "green", "FAILED": "red", "CANCELED": "yellow"}
 def run(
     workload: Path = typer.Argument(..., help="Workload YAML (see examples/quickstart.yaml)."),
     address: str | None = typer.Option(
-        None, "--address", help="Ray cluster to run on (ray://HOST:10001 or auto); default: a local Ray."
+        None,
+        "--address",
+        envvar="RAY_ADDRESS",
+        help="Ray cluster to run on (ray://HOST:10001 or auto); default: $RAY_ADDRESS (set inside a Ray "
+        "job), else a local Ray.",
     ),
     report: Path | None = typer.Option(
         None, "--report", help="Write the JSON report here (and a PNG of states over time beside it)."

@@ -150,14 +150,6 @@ def test_submit_wait_runs_a_real_workload_through_tether_run(ray_head: RayHead, 
     assert "SUCCEEDED" in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the default entrypoint `tether run {workload}` starts a local Ray (ray.init(num_cpus=...)) even "
-        "inside a Ray job, where RAY_ADDRESS names the cluster: Ray refuses with 'When connecting to an "
-        "existing cluster, num_cpus and num_gpus must not be provided' (cluster/runner.py _start_ray)"
-    ),
-)
 def test_submit_wait_with_the_default_entrypoint_runs_the_workload(
     ray_head: RayHead, real_project: Path
 ) -> None:
