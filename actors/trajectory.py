@@ -31,6 +31,7 @@ import ray
 import redis.asyncio as aioredis
 
 from actors.launch import TrajectoryLaunch, load_launch, save_launch
+from actors.metrics_ray import RayBackend
 from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier
 from actors.sandbox import Sandbox
 from actors.status import StatusPublisher, summarize
@@ -43,6 +44,8 @@ from runtime.errors import CodecError, ControlError, InputError
 from runtime.events import Event
 from runtime.harness import Harness, RunOutcome
 from runtime.memstore import check_trajectory_id
+from runtime.metrics import Metrics
+from runtime.observe import HookChain, MetricsHooks
 from runtime.ports import AdmissionPort, GuardPort
 from runtime.record import ControlAction, TrajectoryRecord
 
@@ -263,7 +266,7 @@ class TrajectoryActor:
                 self._built.ports,
                 registry,
                 build_config(launch),
-                _Hooks(self._status, sandbox),
+                HookChain(_Hooks(self._status, sandbox), MetricsHooks(Metrics(RayBackend()), self._clock)),
             )
             await harness.create(build_created(launch, registry))
             self._status.show(harness.record)

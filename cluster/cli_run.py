@@ -53,6 +53,12 @@ def run(
         None, "--run-id", help="Trajectory ids are RUN_ID.<id>; reuse a run id to resume that run."
     ),
     dashboard: bool = typer.Option(False, "--dashboard", help="Start the Ray dashboard (local Ray)."),
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        min=0,
+        help="Serve the driver's Prometheus /metrics here (0: any port).",
+    ),
 ) -> None:
     """Run WORKLOAD: one actor per trajectory, a progress bar, a summary table and an optional report."""
     console = Console(stderr=True)
@@ -62,7 +68,13 @@ def run(
         typer.echo(f"tether run: {e}", err=True)
         raise typer.Exit(2) from None
     options = RunOptions(
-        address=address, report=report, prewarm=prewarm, dashboard=dashboard, run_id=run_id, relays=relays
+        address=address,
+        report=report,
+        prewarm=prewarm,
+        dashboard=dashboard,
+        run_id=run_id,
+        relays=relays,
+        metrics_port=metrics_port,
     )
     try:
         result = _run(wl, options, console)

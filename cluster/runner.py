@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -67,6 +68,7 @@ class RunOptions:
     poll_s: float = 0.25
     relays: int = 1  # control relays started for the run (at least one per cluster)
     sandboxes: int = 4  # sandboxed commands (run_command) running at once across the run
+    metrics_port: int | None = None  # serve the driver's Prometheus /metrics here (0: a free port)
 
 
 @dataclass(frozen=True)
@@ -336,9 +338,11 @@ class Services:
             self._stack.callback(stop_relays, ours)
 
     def _start_scheduler(self) -> None:
+        from actors.metrics_ray import RayBackend
         from actors.tools_local import SANDBOX_POOL
         from scheduler.actor import SchedulerHandle
         from scheduler.config import ProviderLimits, SandboxPoolConfig, SchedulerConfig
+        from scheduler.observe import MetricsAdapter
 
         p = self.workload.provider
         key = f"{self.base_url}|{p.model}"
@@ -353,7 +357,8 @@ class Services:
                 # run_command's permits: at most this many sandboxed commands run at once, cluster-wide
                 pools={SANDBOX_POOL: SandboxPoolConfig(size=self.options.sandboxes)},
                 reserved_class=max(classes, key=lambda c: classes[c]),  # nothing reserved (reserved=0)
-            )
+            ),
+            metrics=MetricsAdapter(RayBackend),
         )
         self.actor_handles.append(scheduler.actor)
 
@@ -361,11 +366,12 @@ class Services:
         """Create the guard actor of every shared dependency scope from the driver, which then owns them
         (an actor is owned by its creator: a guard created by a trajectory actor would die with it)."""
         from actors.contracts import testbed_contracts
+        from actors.metrics_ray import RayBackend
         from breakers.guard import GuardHandle
 
         declared = {t.name for t in self.workload.tools if t.source != ToolSource.BUILTIN}
         scopes = sorted({c.dependency_scope for c in testbed_contracts() if c.name in declared})
-        handle = GuardHandle()
+        handle = GuardHandle(metrics_backend=RayBackend)
         self.actor_handles.extend(handle.actor(scope) for scope in scopes)
 
     def provider_counts(self) -> dict[str, int | None]:
@@ -574,10 +580,23 @@ def run_driver(
             asked = True
     driver = Driver(planned, services.redis_url, services.adapters)
     driver.poll_s = options.poll_s
+    metrics = None
+    if options.metrics_port is not None:
+        from cluster.observe import start_driver_metrics
+
+        metrics = start_driver_metrics(
+            options.metrics_port,
+            redis_url=services.redis_url,
+            trajectory_ids=[launch.trajectory_id for _, launch in planned],
+            testbed_address=services.testbed_address,
+        )
+        print(f"driver metrics: {metrics.url}", file=sys.stderr)
     started = time.monotonic()
     try:
         results = asyncio.run(driver.run(on_progress))
     finally:
+        if metrics is not None:
+            metrics.close()
         if asked:
             with contextlib.suppress(Exception):  # the cluster may be gone; nothing left to withdraw
                 request_capacity(0)  # the trajectories are done: let idle nodes scale down

@@ -196,11 +196,6 @@ WIRED = {
 }
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="wiring not in yet: actors/trajectory.py must chain MetricsHooks(Metrics(RayBackend()), clock) "
-    "into its harness hooks, cluster/runner.py must create guard actors with metrics_backend=RayBackend",
-)
 def test_rays_export_port_shows_what_the_actors_recorded(run: Run) -> None:
     # Given the run above, whose actors record through RayBackend
     # When Ray's metrics export port is scraped until the agent has the values (it pushes every few seconds)
