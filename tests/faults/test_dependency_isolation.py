@@ -332,6 +332,21 @@ def in_doubt(run: LostReplyRun) -> dict[str, Operation]:
     }
 
 
+def probe_settled(run_: LostReplyRun) -> dict[str, Operation]:
+    """Operations settled ESTABLISHED by the endpoint's result recovery, by effect key."""
+    out: dict[str, Operation] = {}
+    for tid, evs in run_.events.items():
+        for e in evs:
+            if (
+                isinstance(e, OperationSettled)
+                and e.settlement is Settlement.ESTABLISHED
+                and "probe" in e.evidence
+            ):
+                op = run_.records[tid].operations[e.operation_id]
+                out[op.effect_key] = op
+    return out
+
+
 def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted_environment(
     lost_reply: LostReplyRun,
 ) -> None:
@@ -339,12 +354,12 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
     dispatched = {
         e.effect_key for evs in run_.events.values() for e in evs if isinstance(e, ToolDispatchIntent)
     }
-    # Given the two lost replies really happened after their effects: two operations are unknown, each
-    # owned by its trajectory and never re-dispatched, and the ledger holds an environment for each
-    doubtful = in_doubt(run_)
-    assert len(doubtful) == 2
-    for key, op in doubtful.items():
-        assert op.in_doubt and op.owner in run_.records and op.attempts == 1, op
+    # Given the two lost replies really happened after their effects: the endpoint's result recovery settled
+    # both operations established (nothing left in doubt), each attempted once, one environment each
+    recovered = probe_settled(run_)
+    assert len(recovered) == 2 and in_doubt(run_) == {}
+    for key, op in recovered.items():
+        assert op.attempts == 1, op
         assert len(run_.book.environments_for(key)) == 1
     # Then by the testbed's own ledger no effect was applied twice and no environment was made per
     # provisioning beyond one; every environment answers to an effect key some trajectory dispatched
@@ -358,12 +373,14 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
     for tid, record in run_.records.items():
         for key, env_id in known_environments(run_.events[tid], record).items():
             assert [env.env_id for env in run_.book.environments_for(key)] == [env_id]
-    # And once every environment the records know is released, what the ledger still bills is exactly
-    # what the records mark in doubt: nothing is orphaned behind the runtime's back
-    assert {env.effect_key for env in run_.released.orphaned_environments()} == set(doubtful)
+    # And once every environment the records know is released, what the ledger still bills is exactly the
+    # recovered ones: a probe establishes the effect but ToolPort.probe returns no result payload, so the
+    # record cannot name those environments for compensation (a known gap, stated here rather than hidden)
+    assert {env.effect_key for env in run_.released.orphaned_environments()} == set(recovered)
     # And every trajectory that lost no reply completed (the others: see the result-recovery test below)
     for r in run_.result.results:
-        if all(op.settled for op in run_.records[r.id].operations.values()):
+        ops = run_.records[r.id].operations.values()
+        if all(op.settled and op.effect_key not in recovered for op in ops):
             assert (r.state, r.exit_reason, r.error) == ("COMPLETED", "COMPLETED", None)
 
 
