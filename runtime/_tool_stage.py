@@ -206,8 +206,7 @@ class ToolStage:
             if self.h._kill.is_set():
                 await self.abandon([t for t in tasks.values() if not t.done()], "killed")
                 return
-            grace = self.h.config.deadline_grace_s
-            for ev in expired_calls(self.h.record, self.h.ports.clock.wall() - grace):
+            for ev in expired_calls(self.h.record, self.h.ports.clock.wall()):
                 timed_out.add(ev.call_id)
                 await self.h._append(ev)
             holding = [t for cid, t in tasks.items() if not t.done() and cid not in timed_out]
@@ -216,7 +215,7 @@ class ToolStage:
                     await self.abandon([], "no live dispatch")  # e.g. results lost with a restart
                 break
             deadlines = [p.deadline for p in self.h.record.pending_calls.values()]
-            wait = max(0.0, min(deadlines) + grace - self.h.ports.clock.wall()) if deadlines else None
+            wait = max(0.0, min(deadlines) - self.h.ports.clock.wall()) if deadlines else None
             await self.h._flush()  # about to wait: timeouts and results so far are durable first
             self.h._changed.clear()
             kill_wait = asyncio.ensure_future(self.h._kill.wait())

@@ -124,9 +124,6 @@ class HarnessConfig:
     prices: PriceTable
     thresholds: StageThresholds = field(default_factory=StageThresholds)
     tool_timeout_s: float = 30.0
-    # The adapter enforces each call's deadline itself; the harness's own timer is a backstop that fires
-    # this much later, so a call the adapter ends at its deadline settles from the adapter's answer.
-    deadline_grace_s: float = 1.0
     approval_timeout_s: float = 300.0
     approval_quorum: int = 1
     max_consecutive_model_failures: int = 4
