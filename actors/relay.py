@@ -441,8 +441,9 @@ def start_relays(
         raise ValueError(f"need at least one relay, got n={n}")
     cfg = config if isinstance(config, RelayConfig) else RelayConfig.model_validate(dict(config or {}))
     remote: Any = ray.remote(RelayActor)
-    handles = [
-        remote.options(
+
+    def create(i: int) -> Any:
+        return remote.options(
             name=relay_name(i),
             namespace=NAMESPACE,
             get_if_exists=True,
@@ -450,9 +451,19 @@ def start_relays(
             max_concurrency=1000,
             lifetime=None,
         ).remote(relay_name(i), redis_url, adapters, cfg.model_dump(), directory)
-        for i in range(first, first + n)
-    ]
-    ray.get([h.start.remote() for h in handles])
+
+    handles = [create(i) for i in range(first, first + n)]
+    for attempt in (1, 2):
+        try:
+            ray.get([h.start.remote() for h in handles])
+            return handles
+        except ray.exceptions.ActorDiedError as e:
+            # A relay is replaceable by design (its pending messages are claimed by whoever runs next);
+            # one that died before it ever started is simply created again, once.
+            if attempt == 2:
+                raise
+            log.warning("a relay died before starting (%s); creating it again", e)
+            handles = [create(i) for i in range(first, first + n)]
     return handles
 
 
