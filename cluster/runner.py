@@ -66,7 +66,7 @@ class RunOptions:
     num_cpus: int = 2
     run_id: str | None = None  # None: a fresh id (a repeated id resumes that run's trajectories)
     poll_s: float = 0.25
-    relays: int = 1  # control relays started for the run (at least one per cluster)
+    relays: int = 1  # control relays started for the run (0: the run takes no operator signals)
     sandboxes: int = 4  # sandboxed commands (run_command) running at once across the run
     metrics_port: int | None = None  # serve the driver's Prometheus /metrics here (0: a free port)
 
@@ -330,6 +330,8 @@ class Services:
             return True
 
         count = self.options.relays
+        if count == 0:
+            return  # no control relays: the run takes no operator signals (tether pause/approve/...)
         already = {n for n in range(count) if exists(n)}
         handles = start_relays(self.redis_url, count, adapters=self.adapters)
         self.relay_handles = handles

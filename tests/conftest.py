@@ -24,6 +24,18 @@ except ImportError:  # pragma: no cover - ray is a runtime dependency
     pass
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the tests that connect this process to a Ray cluster of their own (``own_ray_cluster``) first.
+
+    After this process has started and shut down a local Ray, actors created on a cluster it joins later
+    were cancelled before running ("all references removed") in our runs; a fresh process, or these
+    tests first, never showed it. The defect is in the issue notes; meanwhile the order keeps it out.
+    """
+    first = [item for item in items if item.get_closest_marker("own_ray_cluster")]
+    rest = [item for item in items if not item.get_closest_marker("own_ray_cluster")]
+    items[:] = first + rest
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A real redis-server on a free loopback port, data in the test's temp dir, AOF always."""

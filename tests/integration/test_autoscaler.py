@@ -23,7 +23,12 @@ from cluster.fake_cluster import TRAJECTORY_RESOURCE, FakeMultiNodeCluster, load
 from cluster.runner import RunOptions, Services, plan_launches
 from cluster.workload import load_workload
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.own_ray_cluster,
+    pytest.mark.timeout(300),
+]
 
 _CONFIG = load_autoscaling_config(FakeMultiNodeCluster().config_path)
 _WORKER = _CONFIG["available_node_types"]["ray.worker.trajectory"]
@@ -100,7 +105,8 @@ def test_autoscaler_scales_out_for_trajectory_actors_and_back_in_when_idle(
     assert _alive_worker_ids() == set() and _head_slots() == 0
     monkeypatch.setenv("TETHER_REDIS_URL", redis_url)
     monkeypatch.setenv("TETHER_HOME", str(tmp_path / "home"))
-    with Services(workload, RunOptions(address=fake_cluster.address)) as services:
+    # No control relays: this test is about capacity, and no operator signal is sent during it.
+    with Services(workload, RunOptions(address=fake_cluster.address, relays=0)) as services:
         # run_driver cannot be used as is: on a cluster scaled to zero no node advertises the trajectory
         # resource yet, so ensure_actor would not request it (see docs/testing.md). Same launches, with it.
         planned = plan_launches(
