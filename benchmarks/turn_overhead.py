@@ -139,7 +139,9 @@ class TimedAdmission:
         return grant
 
     async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
-        await self._timed(self.inner.settle_turn(grant_id, actual_tokens))
+        # not timed: the harness settles in the background, so its time overlaps the turn's other work
+        # and adding it would count the same milliseconds twice
+        await self.inner.settle_turn(grant_id, actual_tokens)
 
     async def report_rate_limited(self, provider_key: str, retry_after: float | None, remaining: Any) -> None:
         await self._timed(self.inner.report_rate_limited(provider_key, retry_after, remaining))
