@@ -168,6 +168,7 @@ class Sandbox:
     warnings: list[str] = field(default_factory=list, init=False)
     _running: dict[int, _Running] = field(default_factory=dict, init=False, repr=False)
     _closed: bool = field(default=False, init=False)
+    reaped: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         if not _TRAJECTORY_ID.match(self.trajectory_id):
@@ -180,6 +181,35 @@ class Sandbox:
         self.workspace.mkdir(parents=True, exist_ok=True)
         if (why := _become_subreaper()) is not None:
             self._warn(f"orphaned grandchildren may linger as zombies: {why}")
+        # A predecessor that died without teardown (its actor was SIGKILLed) left its groups running.
+        self.reaped = self._reap_orphans()
+
+    @property
+    def _groups_file(self) -> Path:
+        # beside the workspace, not in it: the commands it records must not be able to edit it
+        return self.root / f".{self.trajectory_id}.process-groups"
+
+    def _save_groups(self) -> None:
+        tmp = self._groups_file.with_suffix(".tmp")
+        tmp.write_text("".join(f"{pgid}\n" for pgid in sorted(self._running)))
+        tmp.replace(self._groups_file)
+
+    def _reap_orphans(self) -> tuple[int, ...]:
+        """Kill the process groups a previous sandbox of this trajectory recorded and never tore down.
+        Only a group with a member still working inside this workspace is killed (pids are reused)."""
+        try:
+            recorded = [int(line) for line in self._groups_file.read_text().split()]
+        except (FileNotFoundError, ValueError):
+            return ()
+        reaped = []
+        for pgid in recorded:
+            if not _group_gone(pgid) and _group_works_in(pgid, self.workspace):
+                _signal_group(pgid, signal.SIGKILL)
+                reaped.append(pgid)
+        self._groups_file.unlink(missing_ok=True)
+        if reaped:
+            self._warn(f"killed process groups left by a previous sandbox of this trajectory: {reaped}")
+        return tuple(reaped)
 
     @property
     def workspace(self) -> Path:
@@ -228,6 +258,7 @@ class Sandbox:
         )
         running = _Running(proc, pgid=proc.pid)
         self._running[running.pgid] = running
+        self._save_groups()
         assert proc.stdout is not None and proc.stderr is not None
         readers = (
             asyncio.create_task(_read_capped(proc.stdout, self.max_output_bytes)),
@@ -243,6 +274,7 @@ class Sandbox:
             await self._teardown(running)
         finally:
             self._running.pop(running.pgid, None)
+            self._save_groups()
         (out, out_cut), (err, err_cut) = await asyncio.gather(*readers)
         return SandboxResult(
             exit_code=proc.returncode,
@@ -330,6 +362,25 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _group_works_in(pgid: int, workspace: Path) -> bool:
+    """Whether some live process of group ``pgid`` has its working directory inside ``workspace``."""
+    home = str(workspace.resolve())
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # field 5 of /proc/PID/stat is the process group; the command name (field 2) may hold spaces
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            cwd = os.readlink(entry / "cwd")
+        except (OSError, ValueError, IndexError):
+            continue
+        if cwd == home or cwd.startswith(home + os.sep):
+            return True
+    return False
 
 
 def _group_gone(pgid: int) -> bool:
