@@ -43,7 +43,9 @@ class WindowLedger:
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_s
-        while self._entries and self._entries[0].at <= horizon + _EPS:
+        # No tolerance here: a tolerance would let an admission leave the window a moment before a full
+        # window has passed, which is exactly the overrun a sliding-window provider answers with a 429.
+        while self._entries and self._entries[0].at <= horizon:
             old = self._entries.popleft()
             del self._by_id[old.entry_id]
             self.total -= old.amount
