@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from runtime.clock import Clock, SystemClock
+from runtime.dispatch import UnlimitedAdmission
 from runtime.errors import AdmissionRefused
 from runtime.ports import SandboxPermit, TurnGrant, TurnRequest
 from scheduler.config import SchedulerConfig
@@ -209,33 +210,11 @@ class InProcessScheduler:
                 slept.cancel()
 
 
-class AlwaysAdmit:
-    """An ``AdmissionPort`` that admits everything at once: no limits, no queues (tests, local runs)."""
+class AlwaysAdmit(UnlimitedAdmission):
+    """An ``AdmissionPort`` that admits everything at once: no limits, no queues (tests, local runs).
+
+    The runtime's own ``UnlimitedAdmission`` with the system clock by default, under the scheduler's name.
+    """
 
     def __init__(self, lease_s: float = 3600.0, clock: Clock | None = None) -> None:
-        self._clock: Clock = clock or SystemClock()
-        self._lease_s = lease_s
-        self._count = 0
-
-    def _next_id(self, prefix: str) -> str:
-        self._count += 1
-        return f"{prefix}-always-{self._count}"
-
-    async def admit_turn(self, request: TurnRequest) -> TurnGrant:
-        return TurnGrant(self._next_id("g"), request.estimated_tokens, self._clock.wall() + self._lease_s)
-
-    async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
-        return None
-
-    async def report_rate_limited(
-        self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
-    ) -> None:
-        return None
-
-    async def acquire_sandbox(
-        self, trajectory_id: str, pool: str, priority_class: str, deadline: float
-    ) -> SandboxPermit:
-        return SandboxPermit(self._next_id("p"), pool, self._clock.wall() + self._lease_s)
-
-    async def release_sandbox(self, permit_id: str) -> None:
-        return None
+        super().__init__(clock or SystemClock(), lease_s)
