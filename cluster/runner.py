@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from runtime.states import TrajectoryState
 __all__ = [
     "RunOptions",
     "RunResult",
+    "RunStopped",
     "Services",
     "TrajectoryResult",
     "keep_ray_on_loopback",
@@ -51,6 +53,11 @@ __all__ = [
 ]
 
 _STATE_ORDER = [s.value for s in TrajectoryState]
+DEADLINE_GRACE_S = 60.0
+
+
+class RunStopped(Exception):
+    """``run_driver`` was asked to stop before every trajectory ended (the trajectories go on)."""
 
 
 @dataclass(frozen=True)
@@ -449,23 +456,47 @@ class Driver:
         self.adapters = adapters or ClusterAdapters()
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.poll_s = 0.25
+        # How long after a trajectory's absolute deadline the driver still waits for its actor's answer.
+        # The harness ends a trajectory by its deadline itself; an actor that has not answered by then
+        # is stuck (never placed, or wedged), and the run reports it instead of waiting forever.
+        self.deadline_grace_s = DEADLINE_GRACE_S
         self.handles: dict[str, Any] = {}
 
-    async def run(self, on_progress: Progress | None = None) -> list[TrajectoryResult]:
+    async def run(
+        self, on_progress: Progress | None = None, stop: threading.Event | None = None
+    ) -> list[TrajectoryResult]:
+        """Follow every trajectory to its end. ``stop`` set from another thread ends the wait early
+        (``RunStopped``); the trajectories themselves go on, durable, and a later run with the same run id
+        picks them up."""
         client = aioredis.Redis.from_url(self.redis_url, socket_timeout=10.0)
         started = time.monotonic()
         sampler = asyncio.ensure_future(self._sample(client, started, on_progress))
+        follows = asyncio.gather(*(self._follow(spec, launch, client) for spec, launch in self.launches))
+        stopper = asyncio.ensure_future(self._until_set(stop))
         try:
-            results = await asyncio.gather(
-                *(self._follow(spec, launch, client) for spec, launch in self.launches)
-            )
+            waiting: set[asyncio.Future[Any]] = {follows, stopper}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not follows.done():
+                follows.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follows
+                raise RunStopped("the run was stopped before every trajectory ended")
+            results = follows.result()
         finally:
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+            for task in (sampler, stopper):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self._sample_once(client, started, on_progress)
         await client.aclose()
         return list(results)
+
+    async def _until_set(self, stop: threading.Event | None) -> None:
+        if stop is None:
+            await asyncio.Event().wait()  # never set: only the trajectories end the run
+            return
+        while not stop.is_set():
+            await asyncio.sleep(self.poll_s)
 
     async def _follow(
         self, spec: TrajectorySpec, launch: TrajectoryLaunch, client: aioredis.Redis
@@ -478,9 +509,16 @@ class Driver:
         self.handles[launch.trajectory_id] = handle  # kept until the run ends: the actor lives as long
         error: str | None = None
         summary: dict[str, Any] = {}
+        give_up_at = launch.created_at + launch.deadline_s + self.deadline_grace_s  # epoch seconds
         while True:
             try:
-                summary = await handle.run.remote()
+                summary = await asyncio.wait_for(handle.run.remote(), max(0.0, give_up_at - time.time()))
+            except TimeoutError:
+                error = (
+                    f"no answer from its actor {self.deadline_grace_s:.0f}s after the trajectory's deadline "
+                    "(never placed on a node, or wedged); its durable log is intact"
+                )
+                break
             except ray.exceptions.RayActorError as e:
                 status = await self._status(client, launch.trajectory_id)
                 if status.get("hibernated") != "1":
@@ -492,7 +530,7 @@ class Driver:
                 break
             if not summary.get("hibernated"):
                 break
-            await self._until_woken(client, launch.trajectory_id)
+            await self._until_woken(client, launch.trajectory_id, give_up_at)
             handle = self.handles[launch.trajectory_id] = ensure_actor(launch, self.adapters)
         if error is not None:
             status = await self._status(client, launch.trajectory_id)
@@ -518,8 +556,9 @@ class Driver:
             error=error,
         )
 
-    async def _until_woken(self, client: aioredis.Redis, trajectory_id: str) -> None:
-        """Wait while the trajectory hibernates; wake it ourselves when its held approval expires."""
+    async def _until_woken(self, client: aioredis.Redis, trajectory_id: str, give_up_at: float) -> None:
+        """Wait while the trajectory hibernates; wake it ourselves when its held approval expires or its
+        deadline has passed (a woken actor records either and ends the trajectory)."""
         while True:
             status = await self._status(client, trajectory_id)
             if status.get("hibernated") != "1":
@@ -527,6 +566,8 @@ class Driver:
             expires = status.get("held_expires_at")
             if expires and time.time() >= float(expires):
                 return  # the expiry must be recorded: re-create the actor and let it refuse the call
+            if time.time() >= give_up_at - self.deadline_grace_s:
+                return  # past its deadline: the re-created actor ends it as DEADLINE_EXCEEDED
             await asyncio.sleep(self.poll_s)
 
     @staticmethod
@@ -558,8 +599,12 @@ def run_driver(
     services: Services,
     options: RunOptions,
     on_progress: Progress | None = None,
+    stop: threading.Event | None = None,
 ) -> RunResult:
-    """Plan, store and run every trajectory on the started services; returns the results."""
+    """Plan, store and run every trajectory on the started services; returns the results.
+
+    ``stop``: set it from another thread to stop waiting (``RunStopped``); see ``Driver.run``.
+    """
     now = time.time()
     planned = plan_launches(
         workload,
@@ -595,7 +640,7 @@ def run_driver(
         print(f"driver metrics: {metrics.url}", file=sys.stderr)
     started = time.monotonic()
     try:
-        results = asyncio.run(driver.run(on_progress))
+        results = asyncio.run(driver.run(on_progress, stop))
     finally:
         if metrics is not None:
             metrics.close()

@@ -1,0 +1,105 @@
+"""``tether run``'s driver never waits forever: an actor that does not answer is reported after its
+trajectory's deadline (plus a grace), and a stop request from another thread ends the wait at once.
+
+The actors here are stand-ins whose ``run`` never answers (an actor that was never placed looks exactly like
+that to the driver); the status snapshots live in a real Redis, as the driver reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from actors.status import status_key
+from cluster.runner import Driver, RunStopped, plan_launches
+from cluster.workload import parse_workload
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+WORKLOAD = """\
+provider: {kind: simulated, model: sim-small}
+trajectories:
+  - {id: stuck, deadline_s: 0.5}
+  - {id: also-stuck, deadline_s: 0.5}
+"""
+
+
+class _NeverAnswers:
+    """An actor handle whose ``run`` stays pending (the driver only awaits what ``remote()`` returns)."""
+
+    def __init__(self) -> None:
+        self.run = self
+        self.calls = 0
+
+    def remote(self) -> asyncio.Future[Any]:
+        self.calls += 1
+        return asyncio.get_running_loop().create_future()
+
+
+@pytest.fixture
+def stuck_actors(monkeypatch: pytest.MonkeyPatch) -> dict[str, _NeverAnswers]:
+    import actors.trajectory
+
+    handles: dict[str, _NeverAnswers] = {}
+
+    def ensure_actor(launch: Any, adapters: Any) -> _NeverAnswers:
+        return handles.setdefault(launch.trajectory_id, _NeverAnswers())
+
+    monkeypatch.setattr(actors.trajectory, "ensure_actor", ensure_actor)
+    return handles
+
+
+def _driver(redis_url: str, *, created_at: float) -> Driver:
+    workload = parse_workload(WORKLOAD, "stuck.yaml")
+    planned = plan_launches(
+        workload,
+        run_id="bounds",
+        redis_url=redis_url,
+        base_url="http://127.0.0.1:9/v1",
+        testbed_address=None,
+        created_at=created_at,
+    )
+    driver = Driver(planned, redis_url)
+    driver.poll_s = 0.02
+    driver.deadline_grace_s = 0.5
+    return driver
+
+
+def test_an_actor_that_never_answers_is_reported_after_its_deadline_and_grace(
+    redis_url: str, stuck_actors: dict[str, _NeverAnswers]
+) -> None:
+    # Given two trajectories whose actors never answer, one of which wrote a status snapshot before
+    created = time.time()
+    redis.Redis.from_url(redis_url).hset(status_key("bounds.stuck"), mapping={"state": "RUNNING", "turns": 3})
+    driver = _driver(redis_url, created_at=created)
+    # When the driver follows them
+    results = asyncio.run(driver.run())
+    # Then each is reported with what is known of it and why the driver stopped waiting, not awaited forever
+    by_name = {r.name: r for r in results}
+    assert set(by_name) == {"stuck", "also-stuck"}
+    assert all(r.error is not None and "after the trajectory's deadline" in r.error for r in results)
+    assert (by_name["stuck"].state, by_name["stuck"].turns) == ("RUNNING", 3)
+    assert by_name["also-stuck"].state == "UNKNOWN"
+    assert not any(r.as_expected for r in results)
+    # And the driver did not give up before deadline + grace had passed
+    assert time.time() >= created + 0.5 + 0.5
+    assert {h.calls for h in stuck_actors.values()} == {1}
+
+
+def test_a_stop_from_another_thread_ends_the_wait(
+    redis_url: str, stuck_actors: dict[str, _NeverAnswers]
+) -> None:
+    # Given trajectories with an hour to go, whose actors do not answer yet
+    driver = _driver(redis_url, created_at=time.time() + 3600)
+    stop = threading.Event()
+    # When another thread asks the run to stop
+    threading.Timer(0.2, stop.set).start()
+    # Then the driver stops waiting and says so
+    with pytest.raises(RunStopped):
+        asyncio.run(driver.run(stop=stop))
+    assert set(stuck_actors) == {"bounds.stuck", "bounds.also-stuck"}
