@@ -4,6 +4,7 @@ has exactly the shape issue 3 specifies, and a bad workload is a clear error (ex
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from cluster.cli_run import register
 from cluster.runner import RunOptions, Services, run_driver, write_timeline_png
 from cluster.workload import parse_workload
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
 WORKLOAD = """\
 name: small
@@ -65,9 +66,9 @@ trajectories: [{id: a, grants: [noop]}]
 
 
 def test_a_local_run_keeps_ray_on_loopback_and_runs_its_relays(
-    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    no_shared_ray: None, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given no Ray in this process yet (this test runs before the module's shared one is started)
+    # Given no Ray in this process
     import ray
 
     assert not ray.is_initialized()
@@ -148,14 +149,16 @@ async def test_an_operator_approves_a_held_call_while_tether_run_is_going(
     options = RunOptions(run_id="approve")
     with Services(workload, options) as services:
         assert services.keyring_path is not None  # the local run created the default operator key
-        running = asyncio.ensure_future(_run_in_thread(workload, services, options))
+        stop = threading.Event()
+        running = asyncio.ensure_future(_run_in_thread(workload, services, options, stop))
         client = ControlClient.from_url(redis_url, keyring=Path(services.keyring_path))
         try:
             held = await _held_call(client, "approve.notify", running)
             # When the operator approves it through the control stream, as `tether approve` does
             await client.approve("approve.notify", issuer="operator", call_digest=held)
-            result = await asyncio.wait_for(running, 120)
+            result = await running
         finally:
+            stop.set()  # a failed test must not leave the driver's thread waiting behind it
             await client.close()
     # Then the run's own relay delivered it: the call ran and the trajectory completed
     (only,) = result.results
@@ -174,11 +177,16 @@ async def _held_call(client, trajectory_id: str, running) -> str:  # type: ignor
     raise AssertionError(f"{trajectory_id} never held a call")
 
 
-async def _run_in_thread(workload, services, options):  # type: ignore[no-untyped-def]
-    # run_driver owns its event loop (asyncio.run), as in the CLI; keep it off the test's loop
+async def _run_in_thread(workload, services, options, stop=None):  # type: ignore[no-untyped-def]
+    # run_driver owns its event loop (asyncio.run), as in the CLI; keep it off the test's loop. However the
+    # test ends, the driver stops waiting, so its thread never outlives the test.
     import asyncio
 
-    return await asyncio.to_thread(run_driver, workload, services, options)
+    stop = stop or threading.Event()
+    try:
+        return await asyncio.to_thread(run_driver, workload, services, options, None, stop)
+    finally:
+        stop.set()
 
 
 def _cli() -> typer.Typer:
