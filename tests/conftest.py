@@ -1,10 +1,16 @@
-"""Fixtures for integration and fault tests: a private redis-server per test, a local Ray per module."""
+"""Fixtures for integration and fault tests: a private redis-server per test, one shared local Ray, and a
+summary of where the suite's time went."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import statistics
+import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +22,7 @@ from cluster.redis_server import RedisServer
 # off for the whole session: the env var for child processes, the constant for this one (see
 # cluster.runner.keep_ray_on_loopback).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from test clusters
 try:
     from ray._private import ray_constants as _ray_constants
 
@@ -25,25 +32,32 @@ except ImportError:  # pragma: no cover - ray is a runtime dependency
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the tests that connect this process to a Ray cluster of their own (``own_ray_cluster``) first.
+    """Order the run: the unit tests (no Ray, no servers) first, then the tests that connect this process to
+    a Ray cluster of their own (``own_ray_cluster``), then everything that uses the shared local Ray.
 
     After this process has started and shut down a local Ray, actors created on a cluster it joins later
     were cancelled before running ("all references removed") in our runs; a fresh process, or these
     tests first, never showed it. The defect is in the issue notes; meanwhile the order keeps it out.
     """
-    first = [item for item in items if item.get_closest_marker("own_ray_cluster")]
-    rest = [item for item in items if not item.get_closest_marker("own_ray_cluster")]
-    items[:] = first + rest
+
+    def tier(item: pytest.Item) -> int:
+        if item.nodeid.startswith("tests/unit/"):
+            return 0
+        return 1 if item.get_closest_marker("own_ray_cluster") else 2
+
+    items.sort(key=tier)  # stable: the collected order holds within a tier
 
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A real redis-server on a free loopback port, data in the test's temp dir, AOF always."""
-    server = RedisServer(data_dir=tmp_path / "redis").start()
+    with TIMINGS.measure("redis-server start"):
+        server = RedisServer(data_dir=tmp_path / "redis").start()
     try:
         yield server
     finally:
-        server.stop()
+        with TIMINGS.measure("redis-server stop"):
+            server.stop()
 
 
 @pytest.fixture
@@ -51,23 +65,157 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+class SharedRay:
+    """One small local Ray for every test module that needs one, started on first use.
+
+    Starting and stopping a local Ray is the most expensive fixture there is (a GCS, a raylet, agents and
+    worker processes), so modules share it. Between modules every named actor is killed, so no module sees
+    another's scheduler, relays, guards or trajectories. A test that must start a Ray of its own asks for
+    ``no_shared_ray`` first; the next module that needs the shared one starts it again.
+    """
+
+    def __init__(self) -> None:
+        self.metrics_port: int | None = None  # Ray's metrics export port (scraped by the metrics tests)
+
+    def ensure(self) -> int:
+        import ray
+
+        from cluster.fake_cluster import free_tcp_port
+
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+            port = free_tcp_port()
+            with TIMINGS.measure("ray.init (shared local Ray)"):
+                ray.init(
+                    _node_ip_address="127.0.0.1",  # keep all Ray traffic on loopback
+                    _metrics_export_port=port,
+                    num_cpus=2,
+                    include_dashboard=False,
+                    namespace="tether",
+                    object_store_memory=100 * 1024 * 1024,
+                    logging_level="WARNING",
+                    log_to_driver=False,
+                    resources={"tether_trajectory": 1000},
+                )
+            self.metrics_port = port
+        assert self.metrics_port is not None, "a Ray not started by SharedRay is running"
+        return self.metrics_port
+
+    def kill_named_actors(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            with contextlib.suppress(ValueError):  # it ended on its own meanwhile
+                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+
+    def stop(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            with TIMINGS.measure("ray.shutdown"):
+                ray.shutdown()
+        self.metrics_port = None
+
+
+SHARED_RAY = SharedRay()
+
+
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    """One small local Ray per test module, shut down afterwards."""
-    import ray
-
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    ray.init(
-        _node_ip_address="127.0.0.1",  # keep all Ray traffic on loopback
-        num_cpus=2,
-        include_dashboard=False,
-        namespace="tether",
-        object_store_memory=100 * 1024 * 1024,
-        logging_level="WARNING",
-        log_to_driver=False,
-        resources={"tether_trajectory": 1000},
-    )
+    """The shared local Ray (see ``SharedRay``); this module's named actors are killed afterwards."""
+    SHARED_RAY.ensure()
     try:
         yield
     finally:
-        ray.shutdown()
+        SHARED_RAY.kill_named_actors()
+
+
+@pytest.fixture(scope="module")
+def ray_metrics_port() -> Iterator[int]:
+    """Ray's metrics export port (what Prometheus scrapes on each node) of a freshly started shared Ray:
+    Ray's counters are cluster-wide, and a module that asserts exact values must not see another's."""
+    SHARED_RAY.stop()
+    port = SHARED_RAY.ensure()
+    try:
+        yield port
+    finally:
+        SHARED_RAY.kill_named_actors()
+
+
+@pytest.fixture
+def no_shared_ray() -> None:
+    """For a test that starts (or asserts there is no) Ray of its own: stop the shared one first."""
+    SHARED_RAY.stop()
+
+
+# --------------------------------------------------------------------------- where the time went
+# Printed at the end of every run, so a slow CI machine says which part of the suite was slow.
+
+
+class Timings:
+    def __init__(self) -> None:
+        self.fixtures: dict[str, list[float]] = defaultdict(list)
+        self.modules: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def measure(self, what: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.fixtures[what].append(time.monotonic() - started)
+
+
+TIMINGS = Timings()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    TIMINGS.modules[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    SHARED_RAY.stop()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    write = terminalreporter.write_line
+    terminalreporter.section("where the time went")
+    modules = sorted(TIMINGS.modules.items(), key=lambda kv: -kv[1])
+    total = sum(TIMINGS.modules.values())
+    write(f"{total:8.1f}s in {len(modules)} modules; the slowest:")
+    for name, seconds in modules[:12]:
+        write(f"{seconds:8.1f}s  {name}")
+    for what, samples in sorted(TIMINGS.fixtures.items()):
+        write(f"{what}: {len(samples)}x, mean {statistics.fmean(samples):.2f}s, max {max(samples):.2f}s")
+    write(_machine_calibration())
+
+
+def _machine_calibration() -> str:
+    """A few fixed operations timed here, to compare this machine with the one the suite was written on
+    (there: cpu loop 0.07-0.15s, process spawn ~1ms, fsync ~0.2ms)."""
+    import subprocess
+    import tempfile
+
+    started = time.perf_counter()
+    total = 0
+    for i in range(2_000_000):
+        total += i
+    cpu = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(10):
+        subprocess.run(["true"], check=False)
+    spawn = (time.perf_counter() - started) / 10
+    with tempfile.NamedTemporaryFile() as f:
+        started = time.perf_counter()
+        for _ in range(20):
+            f.write(b"x" * 64)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync = (time.perf_counter() - started) / 20
+    load = os.getloadavg()
+    return (
+        f"machine: cpu loop {cpu:.2f}s, process spawn {spawn * 1000:.1f}ms, fsync {fsync * 1000:.1f}ms, "
+        f"load {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, cpus {os.cpu_count()}"
+    )

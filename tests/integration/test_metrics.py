@@ -6,7 +6,6 @@ where an actor records through ``RayBackend`` and the node's metrics agent serve
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import urllib.request
@@ -15,7 +14,6 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.fake_cluster import free_tcp_port
 from cluster.metrics import Metrics, PrometheusBackend, RayBackend
 
 pytestmark = [pytest.mark.integration]
@@ -91,32 +89,11 @@ def test_driver_endpoint_serves_what_a_running_workload_records(driver_endpoint:
     )
 
 
-@pytest.fixture(scope="module")
-def ray_with_metrics_export() -> Iterator[int]:
-    import ray
-
-    port = free_tcp_port()
-    ray.init(
-        _node_ip_address="127.0.0.1",  # loopback only
-        num_cpus=1,
-        include_dashboard=False,
-        namespace="tether",
-        object_store_memory=100 * 1024 * 1024,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-        _metrics_export_port=port,
-    )
-    try:
-        yield port
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.slow
-def test_metrics_recorded_inside_an_actor_reach_rays_export_endpoint(ray_with_metrics_export: int) -> None:
+def test_metrics_recorded_inside_an_actor_reach_rays_export_endpoint(ray_metrics_port: int) -> None:
     import ray
 
-    port = ray_with_metrics_export
+    port = ray_metrics_port
 
     @ray.remote(num_cpus=0)
     class RecordingActor:

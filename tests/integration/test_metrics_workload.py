@@ -10,7 +10,6 @@ driver's endpoint on, and both scrape targets are read over real HTTP and parsed
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -21,12 +20,11 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.fake_cluster import free_tcp_port
 from cluster.observe import start_driver_metrics
 from cluster.runner import RunOptions, RunResult, Services, run_driver
 from cluster.workload import parse_workload
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN_ID = "mtest"
 WORKLOAD = """\
@@ -91,30 +89,7 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def ray_with_export() -> Iterator[int]:
-    import ray
-
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    port = free_tcp_port()
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        _metrics_export_port=port,
-        num_cpus=2,
-        include_dashboard=False,
-        namespace="tether",
-        object_store_memory=100 * 1024 * 1024,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-        resources={"tether_trajectory": 1000},
-    )
-    try:
-        yield port
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def run(ray_with_export: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(ray_metrics_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     """The workload, run once with the driver's endpoint on; scraped during and after the run."""
     from cluster.redis_server import RedisServer
 
@@ -153,7 +128,7 @@ def run(ray_with_export: int, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 assert metrics.observer is not None
                 metrics.observer.stop()  # one last poll: the final states are exported
                 after = scrape(metrics.port)
-            yield Run(result, ray_with_export, during, after)
+            yield Run(result, ray_metrics_port, during, after)
     finally:
         for k, v in saved.items():
             if v is None:
