@@ -5,16 +5,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration lint typecheck fmt bench clean redis-check proto
+.PHONY: constraints setup demo test test-unit test-integration lint typecheck fmt bench clean redis-check proto
 
 setup: $(STAMP) redis-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -d $(VENV) || $(PY) -m venv $(VENV)
 	@$(BIN)/pip install -q --upgrade pip
 	@echo "installing tether with dev extras into $(VENV) (first run takes a few minutes)..."
-	@$(BIN)/pip install -q -e '.[dev]'
+	@$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
+
+constraints: $(STAMP)
+	@(echo "# Versions the suite was last run green with; \`make setup\` installs within them (regenerate: make constraints)."; \
+	  $(BIN)/pip freeze --exclude-editable | grep -v '^tether' | sort -f) > constraints.txt
 
 redis-check:
 	@if command -v redis-server >/dev/null 2>&1; then :; \
@@ -30,8 +34,12 @@ redis-check:
 demo: setup
 	$(BIN)/tether run examples/quickstart.yaml --report .tether/reports/quickstart.json
 
+# The whole suite stops starting new tests after TEST_BUDGET_S seconds (it then fails, with the summary of
+# where the time went), so a machine much slower than expected still ends with a report.
+TEST_BUDGET_S ?= 3600
+
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=10 --session-timeout=$(TEST_BUDGET_S)
 
 test-unit: setup
 	$(BIN)/pytest -q tests/unit

@@ -21,7 +21,7 @@ from testbed.provider import ProviderConfig, ProviderThread, start_provider_thre
 from testbed.tools import Testbed, TestbedClient, start_testbed
 from tests.integration.trajectory_kit import MODEL, events_of, make_launch, record_of, start, wait_for_status
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(480)]
 
 CEILINGS = {"turns": 12, "tokens": 20_000, "wall_seconds": 300, "dollars": 0.25}
 MAX_TOKENS = 256

@@ -42,7 +42,7 @@ from runtime.record import TrajectoryRecord
 from testbed.tools import FaultMode, FaultPlan, LedgerSnapshot, TestbedClient
 from tests.integration.trajectory_kit import events_of
 
-pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TEST_RUNNER = "test-runner"
 PROVISIONER = "env-provisioner"

@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.own_ray_cluster,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),
 ]
 
 _CONFIG = load_autoscaling_config(FakeMultiNodeCluster().config_path)

@@ -87,7 +87,7 @@ def keys(tmp_path: Path) -> Keys:
     return Keys(path)
 
 
-async def eventually(probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 30.0) -> T:
+async def eventually(probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 120.0) -> T:
     """Poll ``probe`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -148,7 +148,7 @@ class Plane:
         events = await self.events(tid)
         return fold(events) if events else None
 
-    async def state(self, tid: str, *states: TrajectoryState, timeout_s: float = 30.0) -> TrajectoryRecord:
+    async def state(self, tid: str, *states: TrajectoryState, timeout_s: float = 120.0) -> TrajectoryRecord:
         """Wait until the record (the folded log, not a view) is in one of ``states``."""
 
         async def probe() -> TrajectoryRecord | None:
@@ -166,7 +166,7 @@ class Plane:
 
         return await eventually(probe, what)
 
-    async def finished(self, tid: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    async def finished(self, tid: str, timeout_s: float = 180.0) -> dict[str, Any]:
         """The run() summary of a trajectory that ran to its end."""
         return await asyncio.wait_for(asyncio.wrap_future(self.runs[tid].future()), timeout_s)
 

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from cluster.cli_submit import register
 from cluster.fake_cluster import RayHead
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(480)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "submit.yaml"
 # Inside a Ray job RAY_ADDRESS names the cluster; `--address auto` makes tether run join it.

@@ -31,7 +31,7 @@ from testbed.tools import Testbed, TestbedClient, start_testbed
 
 from .trajectory_kit import MODEL, events_of, make_launch, record_of, start, wait_for_status
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 TOOLS = ("run_tests", "send_notification", "search_packages")
 
 

@@ -75,7 +75,7 @@ async def record_of(redis_url: str, trajectory_id: str) -> TrajectoryRecord:
 
 
 async def wait_for_status(
-    redis_url: str, trajectory_id: str, states: set[str], timeout_s: float = 60.0, min_turns: int = 0
+    redis_url: str, trajectory_id: str, states: set[str], timeout_s: float = 180.0, min_turns: int = 0
 ) -> dict[str, str]:
     """Poll the status snapshot until its state is one of ``states`` after at least ``min_turns`` turns
     (used to time a fault, not to assert)."""
