@@ -35,11 +35,13 @@ demo: setup
 	$(BIN)/tether run examples/quickstart.yaml --report .tether/reports/quickstart.json
 
 # The whole suite stops starting new tests after TEST_BUDGET_S seconds (it then fails, with the summary of
-# where the time went), so a machine much slower than expected still ends with a report.
+# where the time went), so a machine much slower than expected still ends with a report; should a test hang
+# where its own timeout cannot reach, pytest is interrupted (SIGINT: it still prints its summary) 15 minutes
+# after the budget.
 TEST_BUDGET_S ?= 3600
 
 test: setup
-	$(BIN)/pytest -q --durations=10 --session-timeout=$(TEST_BUDGET_S)
+	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 --session-timeout=$(TEST_BUDGET_S)
 
 test-unit: setup
 	$(BIN)/pytest -q tests/unit
