@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from cluster.redis_server import RedisServer
 
@@ -29,6 +30,12 @@ try:
     _ray_constants.ENABLE_RAY_CLUSTER = False
 except ImportError:  # pragma: no cover - ray is a runtime dependency
     pass
+
+
+# Property tests are judged by their examples, not by wall-clock time: no per-example deadline, no "too slow"
+# health check, so a slower or busier machine cannot fail them.
+settings.register_profile("tether", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("tether")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
