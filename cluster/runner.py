@@ -211,6 +211,7 @@ def plan_launches(
             tool_timeout_s=workload.tool_timeout_s,
             hibernate_after_s=workload.hibernate_after_s,
             workspace_root=workspace_root,
+            resources=workload.trajectory_resources,
         )
         planned.append((spec, launch))
     return planned

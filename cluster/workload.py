@@ -222,6 +222,10 @@ class Workload(_Strict):
     guard: Literal["actor", "local", "none"] = "actor"  # breaker + bulkhead per dependency scope
     retry: RetrySpec = RetrySpec()
     scheduler: bool = True  # admit turns through the scheduler actor (provider limits, priority classes)
+    # Ray resources each trajectory actor requests. Absent: {"tether_trajectory": 1} when some node of the
+    # cluster declares it, else none. Set it on a cluster that autoscales from zero workers, where no live
+    # node declares the resource yet ({tether_trajectory: 1}); {} requests none.
+    trajectory_resources: dict[str, PositiveFloat] | None = None
 
     @model_validator(mode="after")
     def _cross_references(self) -> Workload:

@@ -107,8 +107,8 @@ def test_autoscaler_scales_out_for_trajectory_actors_and_back_in_when_idle(
     monkeypatch.setenv("TETHER_HOME", str(tmp_path / "home"))
     # No control relays: this test is about capacity, and no operator signal is sent during it.
     with Services(workload, RunOptions(address=fake_cluster.address, relays=0)) as services:
-        # run_driver cannot be used as is: on a cluster scaled to zero no node advertises the trajectory
-        # resource yet, so ensure_actor would not request it (see docs/testing.md). Same launches, with it.
+        # On a cluster scaled to zero no node advertises the trajectory resource yet, so the workload asks
+        # for it explicitly (trajectory_resources); the launches carry it to every actor.
         planned = plan_launches(
             workload,
             run_id="autoscale",
@@ -118,9 +118,8 @@ def test_autoscaler_scales_out_for_trajectory_actors_and_back_in_when_idle(
             created_at=time.time(),
         )
         specs = [spec for spec, _ in planned]
-        launches = [
-            launch.model_copy(update={"resources": {TRAJECTORY_RESOURCE: 1.0}}) for _, launch in planned
-        ]
+        launches = [launch for _, launch in planned]
+        assert all(launch.resources == {TRAJECTORY_RESOURCE: 1.0} for launch in launches)
 
         # When: one real trajectory actor per trajectory is started and run to its end
         handles = [ensure_actor(launch, services.adapters) for launch in launches]

@@ -15,7 +15,7 @@ from actors.tools_local import LocalTool, LocalToolPort, builtin_tools
 from actors.wiring import RoutedToolPort, build_config, build_created, build_registry, retry_owner
 from breakers.errors import AttemptBudgetExhausted
 from cluster.runner import plan_launches
-from cluster.workload import parse_workload
+from cluster.workload import WorkloadError, parse_workload
 from runtime.clock import FakeClock
 from runtime.dispatch import Verdict
 from runtime.errors import CodecError, InputError, PolicyRefusal
@@ -216,3 +216,32 @@ trajectories:
     assert launches[2].completion_check.params == {"count": 1, "tool": "noop"}
     for lt in launches:  # every planned launch builds a valid creation event
         start(build_created(lt, build_registry(lt)))
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("", None),  # absent: the actor requests tether_trajectory only where a live node declares it
+        ("trajectory_resources: {tether_trajectory: 1}\n", {"tether_trajectory": 1.0}),
+        ("trajectory_resources: {}\n", {}),
+    ],
+)
+def test_the_workloads_trajectory_resources_reach_every_launch(
+    line: str, expected: dict[str, float] | None
+) -> None:
+    workload = parse_workload(line + "trajectories: [{id: a, count: 2}]\n", "w.yaml")
+    planned = plan_launches(
+        workload,
+        run_id="r",
+        redis_url="redis://x:1/0",
+        base_url="http://p/v1",
+        testbed_address=None,
+        created_at=1.0,
+    )
+    assert [launch.resources for _, launch in planned] == [expected, expected]
+    assert TrajectoryLaunch.from_json(planned[0][1].to_json()).resources == expected
+
+
+def test_a_non_positive_trajectory_resource_is_a_clear_workload_error() -> None:
+    with pytest.raises(WorkloadError, match=r"trajectory_resources\.tether_trajectory"):
+        parse_workload("trajectory_resources: {tether_trajectory: 0}\ntrajectories: [{id: a}]\n", "w.yaml")
