@@ -154,7 +154,9 @@ class RayHead:
         self._ip = LOOPBACK
         if not self.port:
             self.port = free_tcp_port()
-        if self.include_dashboard and not self.dashboard_port:
+        if not self.dashboard_port:
+            # Even without the dashboard UI, Ray's head runs its dashboard process on this port (8265 by
+            # default): a free one, so two heads, or another service on 8265, never collide.
             self.dashboard_port = free_tcp_port()
         if self.temp_dir is None:
             self.temp_dir = Path(tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
@@ -176,8 +178,7 @@ class RayHead:
             "--disable-usage-stats",
             f"--include-dashboard={'true' if self.include_dashboard else 'false'}",
         ]
-        if self.include_dashboard:
-            args += ["--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
+        args += ["--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
         if self.resources:
             args.append(f"--resources={json.dumps(dict(self.resources))}")
         if self.metrics_export_port is not None:
