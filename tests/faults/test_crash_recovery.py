@@ -7,19 +7,29 @@ above the ceilings) and the testbed's independent ledger (no effect applied twic
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from runtime.budget import Dimension
-from runtime.events import ModelCallFailed, ToolCallCancelled
+from runtime.events import (
+    ModelCallCancelled,
+    ModelCallFailed,
+    ModelCallIntent,
+    ModelCallSettled,
+    ToolCallCancelled,
+    ToolCallTimedOut,
+    ToolResultAccepted,
+)
 from runtime.events import ToolDispatchIntent as Intent
 from runtime.record import TrajectoryRecord
 from testbed.provider import ProviderConfig, ProviderThread, start_provider_thread
 from testbed.tools import Testbed, TestbedClient, start_testbed
-from tests.integration.trajectory_kit import MODEL, events_of, make_launch, record_of, start, wait_for_status
+from tests.integration.trajectory_kit import MODEL, events_of, make_launch, record_of, start
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(480)]
 
@@ -29,8 +39,9 @@ MAX_TOKENS = 256
 
 @pytest.fixture(scope="module")
 def slow_provider() -> Iterator[ProviderThread]:
-    # A tool-call reply is ~20 tokens: 0.4 s to the first token, then 40 tokens/s, so ~0.9 s per call.
-    handle = start_provider_thread(ProviderConfig(ttft_ms=400.0, tokens_per_s=40.0, models=(MODEL,)))
+    # A tool-call reply is ~20 tokens: 1.2 s to the first token, then 40 tokens/s, so ~1.7 s per call: wide
+    # enough for the kill to land inside it on a busy machine.
+    handle = start_provider_thread(ProviderConfig(ttft_ms=1200.0, tokens_per_s=40.0, models=(MODEL,)))
     try:
         yield handle
     finally:
@@ -39,7 +50,7 @@ def slow_provider() -> Iterator[ProviderThread]:
 
 @pytest.fixture
 async def slow_testbed() -> AsyncIterator[Testbed]:
-    bed = await start_testbed(0, provision_s=1.5)  # provisioning an environment takes 1.5 s
+    bed = await start_testbed(0, provision_s=4.0)  # provisioning an environment takes 4 s
     try:
         yield bed
     finally:
@@ -73,15 +84,37 @@ async def _launch_and_kill(
         tool_timeout_s=20.0,
     )
     handle = start(launch)
+    pid = await handle.pid.remote()  # asked first: nothing but the log poll stands between seeing and killing
     running = handle.run.remote()
-    await wait_for_status(redis_url, name, {kill_in}, min_turns=min_turns)
-    pid = await handle.pid.remote()
+    await _until_in_flight(redis_url, name, kill_in, nth=min_turns)
     os.kill(pid, signal.SIGKILL)
     at_kill = await record_of(redis_url, name)
     summary = await running  # Ray retries run() on the restarted actor
     after = await record_of(redis_url, name)
     assert await handle.pid.remote() != pid  # a new worker process carried on
     return at_kill, after, summary, pid
+
+
+async def _until_in_flight(redis_url: str, name: str, kind: str, nth: int, timeout_s: float = 180.0) -> None:
+    """Wait until the ``nth`` model call (``CALLING_MODEL``) or tool dispatch (``WAITING_TOOL``) is durably
+    announced in the log and not yet answered: the effect is then in flight, whatever the status snapshot
+    says (a state change is logged before the intent, and on a busy machine a kill can land between them)."""
+    intent: type
+    answers: tuple[type, ...]
+    if kind == "CALLING_MODEL":
+        intent, answers = ModelCallIntent, (ModelCallSettled, ModelCallCancelled, ModelCallFailed)
+    else:
+        intent, answers = Intent, (ToolResultAccepted, ToolCallTimedOut, ToolCallCancelled)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = await events_of(redis_url, name)
+        at = [i for i, e in enumerate(events) if isinstance(e, intent)]
+        if len(at) >= nth:
+            if any(isinstance(e, answers) for e in events[at[nth - 1] + 1 :]):
+                raise AssertionError(f"{name}: call {nth} was answered before the poll saw it in flight")
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{name}: call {nth} was never announced within {timeout_s}s")
 
 
 async def test_sigkill_mid_model_call_recovers_without_resetting_the_budget(
@@ -113,7 +146,7 @@ async def test_sigkill_mid_model_call_recovers_without_resetting_the_budget(
 async def test_sigkill_mid_tool_call_never_repeats_the_effect(
     ray_local: None, redis_url: str, slow_provider: ProviderThread, slow_testbed: Testbed
 ) -> None:
-    # Given a trajectory whose provisioning call (1.5 s) is in flight
+    # Given a trajectory whose provisioning call (4 s) is in flight
     # When its worker process is killed with SIGKILL
     at_kill, after, summary, _ = await _launch_and_kill(
         "crash-tool", slow_provider, slow_testbed, redis_url, "WAITING_TOOL", min_turns=1
