@@ -222,7 +222,22 @@ def _machine_calibration() -> str:
             os.fsync(f.fileno())
         fsync = (time.perf_counter() - started) / 20
     load = os.getloadavg()
+    shm = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    shm_mb = shm.f_bavail * shm.f_frsize // 2**20 if shm else 0
     return (
         f"machine: cpu loop {cpu:.2f}s, process spawn {spawn * 1000:.1f}ms, fsync {fsync * 1000:.1f}ms, "
-        f"load {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, cpus {os.cpu_count()}"
+        f"load {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, cpus {os.cpu_count()}, "
+        f"memory available {_meminfo_mb('MemAvailable')} MB of {_meminfo_mb('MemTotal')} MB, "
+        f"/dev/shm free {shm_mb} MB"
     )
+
+
+def _meminfo_mb(field: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return -1
