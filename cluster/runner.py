@@ -310,6 +310,9 @@ class Services:
                 raise DependencyError(f"cannot join the Ray cluster at {self.options.address}: {e}") from e
         else:
             keep_ray_on_loopback()
+            # Ray starts actors at niceness 15, so on a machine doing anything else the trajectories of a
+            # local run would crawl behind it; they are this run's work (set the variable to keep Ray's).
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(
                 num_cpus=self.options.num_cpus,
                 include_dashboard=self.options.dashboard,

@@ -24,6 +24,10 @@ from cluster.redis_server import RedisServer
 # cluster.runner.keep_ray_on_loopback).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from test clusters
+# Ray starts its worker processes (every actor) at niceness 15: on a machine with any other CPU load they
+# starve behind it (here, two busy loops made the control-plane tests ~10x slower). The tests' actors run at
+# the same priority as the test process and the servers it starts, so a busy machine slows the suite evenly.
+os.environ.setdefault("RAY_worker_niceness", "0")
 try:
     from ray._private import ray_constants as _ray_constants
 
