@@ -369,6 +369,7 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     keyring = workdir / "keyring.yaml"
     create_key("operator", [Role.OPERATOR], keyring)
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as a local tether run: actors at normal priority
     keep_ray_on_loopback()
     ray.init(
         num_cpus=2,
@@ -463,6 +464,7 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         "setup": {
             "relays": 2,
             "ray_cpus": 2,
+            "ray_worker_niceness": int(os.environ["RAY_worker_niceness"]),  # noqa: SIM112 - Ray spells it so
             "appendfsync": "always",
             "startup_s": round(startup_s, 1),
             "load_avg_1m_at_start": load_at_start,
