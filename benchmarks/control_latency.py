@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import tempfile
@@ -53,7 +52,7 @@ from cluster.control import ControlAction
 from cluster.control_client import LAUNCH_PREFIX, ControlClient, status_key
 from cluster.log_store import FIELD, log_key
 from cluster.redis_server import RedisServer
-from cluster.runner import keep_ray_on_loopback
+from cluster.runner import start_local_ray
 from cluster.signing import Role, create_key
 from runtime.codec import decode
 from runtime.errors import DependencyError
@@ -368,18 +367,7 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     provider = start_provider_thread(ProviderConfig())
     keyring = workdir / "keyring.yaml"
     create_key("operator", [Role.OPERATOR], keyring)
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as a local tether run: actors at normal priority
-    keep_ray_on_loopback()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace="tether",
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-        resources={"tether_trajectory": 10_000},
-        _node_ip_address="127.0.0.1",
-    )
+    start_local_ray()  # as a local tether run: loopback, actors at normal priority
     relays: list[Any] = []
     groups: dict[str, int] = {}
     fleet = Fleet(server.url, provider.base_url, keyring)

@@ -46,9 +46,11 @@ __all__ = [
     "TrajectoryResult",
     "keep_ray_on_loopback",
     "plan_launches",
+    "prepare_local_ray",
     "prewarm_workers",
     "request_capacity",
     "run_driver",
+    "start_local_ray",
     "write_timeline_png",
 ]
 
@@ -309,20 +311,7 @@ class Services:
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise DependencyError(f"cannot join the Ray cluster at {self.options.address}: {e}") from e
         else:
-            keep_ray_on_loopback()
-            # Ray starts actors at niceness 15, so on a machine doing anything else the trajectories of a
-            # local run would crawl behind it; they are this run's work (set the variable to keep Ray's).
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(
-                num_cpus=self.options.num_cpus,
-                include_dashboard=self.options.dashboard,
-                namespace="tether",
-                object_store_memory=100 * 1024 * 1024,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-                resources={"tether_trajectory": 10_000},
-                _node_ip_address="127.0.0.1",  # loopback only: a local run is never reachable from outside
-            )
+            start_local_ray(num_cpus=self.options.num_cpus, dashboard=self.options.dashboard)
             self.started_ray = True
         self._stack.callback(ray.shutdown)
 
@@ -410,6 +399,47 @@ def keep_ray_on_loopback() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def prepare_local_ray() -> None:
+    """Set this process (and the processes a Ray started from it inherits the environment of) up for a local
+    Ray: loopback only (``keep_ray_on_loopback``), no uv runtime environments, and actors at normal priority.
+
+    Ray starts its worker processes (every actor) at niceness 15, so on a machine doing anything else the
+    trajectories of a local run would crawl behind it (beside two busy loops the control-plane tests ran >10x
+    slower). They are the run's work; an operator who wants Ray's default sets ``RAY_worker_niceness``.
+    """
+    keep_ray_on_loopback()
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
+
+def start_local_ray(
+    *,
+    num_cpus: int = 2,
+    dashboard: bool = False,
+    trajectory_slots: int = 10_000,
+    metrics_export_port: int | None = None,
+) -> None:
+    """Start a small local Ray on loopback (namespace ``tether``) holding ``trajectory_slots`` trajectories:
+    what ``tether run`` uses without ``--address``, and the tests and benchmarks with it."""
+    import ray
+
+    prepare_local_ray()
+    extra: dict[str, Any] = {}
+    if metrics_export_port is not None:
+        extra["_metrics_export_port"] = metrics_export_port
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        namespace="tether",
+        object_store_memory=100 * 1024 * 1024,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+        resources={"tether_trajectory": trajectory_slots},
+        _node_ip_address="127.0.0.1",  # loopback only: a local run is never reachable from outside
+        **extra,
+    )
 
 
 def request_capacity(trajectories: int) -> None:

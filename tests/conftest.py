@@ -16,24 +16,14 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from cluster.redis_server import RedisServer
+from cluster.runner import prepare_local_ray, start_local_ray
 
 # Every Ray process these tests start (local ray.init, `ray start` heads, fake autoscaler workers, job
-# drivers) must stay on loopback. Ray maps 127.0.0.1 back to the machine's routable address while its
-# "cluster mode" is on, and all processes of one cluster must agree on the address, so the mode is turned
-# off for the whole session: the env var for child processes, the constant for this one (see
-# cluster.runner.keep_ray_on_loopback).
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# drivers) inherits this process's environment, so it is set up once for the whole session as for a local
+# `tether run` (cluster.runner.prepare_local_ray): all on loopback, actors at normal priority (Ray's default
+# niceness 15 let two busy loops make the control-plane tests >10x slower).
+prepare_local_ray()
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from test clusters
-# Ray starts its worker processes (every actor) at niceness 15: on a machine with any other CPU load they
-# starve behind it (here, two busy loops made the control-plane tests ~10x slower). The tests' actors run at
-# the same priority as the test process and the servers it starts, so a busy machine slows the suite evenly.
-os.environ.setdefault("RAY_worker_niceness", "0")
-try:
-    from ray._private import ray_constants as _ray_constants
-
-    _ray_constants.ENABLE_RAY_CLUSTER = False
-except ImportError:  # pragma: no cover - ray is a runtime dependency
-    pass
 
 
 # Property tests are judged by their examples, not by wall-clock time: no per-example deadline, no "too slow"
@@ -94,20 +84,9 @@ class SharedRay:
         from cluster.fake_cluster import free_tcp_port
 
         if not ray.is_initialized():
-            os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
             port = free_tcp_port()
             with TIMINGS.measure("ray.init (shared local Ray)"):
-                ray.init(
-                    _node_ip_address="127.0.0.1",  # keep all Ray traffic on loopback
-                    _metrics_export_port=port,
-                    num_cpus=2,
-                    include_dashboard=False,
-                    namespace="tether",
-                    object_store_memory=100 * 1024 * 1024,
-                    logging_level="WARNING",
-                    log_to_driver=False,
-                    resources={"tether_trajectory": 1000},
-                )
+                start_local_ray(num_cpus=2, trajectory_slots=1000, metrics_export_port=port)
             self.metrics_port = port
         assert self.metrics_port is not None, "a Ray not started by SharedRay is running"
         return self.metrics_port
