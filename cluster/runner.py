@@ -543,7 +543,8 @@ class Driver:
         self.handles[launch.trajectory_id] = handle  # kept until the run ends: the actor lives as long
         error: str | None = None
         summary: dict[str, Any] = {}
-        give_up_at = launch.created_at + launch.deadline_s + self.deadline_grace_s  # epoch seconds
+        deadline_at = launch.created_at + launch.deadline_s  # epoch seconds
+        give_up_at = deadline_at + self.deadline_grace_s
         while True:
             try:
                 summary = await asyncio.wait_for(handle.run.remote(), max(0.0, give_up_at - time.time()))
@@ -564,7 +565,7 @@ class Driver:
                 break
             if not summary.get("hibernated"):
                 break
-            await self._until_woken(client, launch.trajectory_id, give_up_at)
+            await self._until_woken(client, launch.trajectory_id, deadline_at)
             handle = self.handles[launch.trajectory_id] = ensure_actor(launch, self.adapters)
         if error is not None:
             status = await self._status(client, launch.trajectory_id)
@@ -590,7 +591,7 @@ class Driver:
             error=error,
         )
 
-    async def _until_woken(self, client: aioredis.Redis, trajectory_id: str, give_up_at: float) -> None:
+    async def _until_woken(self, client: aioredis.Redis, trajectory_id: str, deadline_at: float) -> None:
         """Wait while the trajectory hibernates; wake it ourselves when its held approval expires or its
         deadline has passed (a woken actor records either and ends the trajectory)."""
         while True:
@@ -600,7 +601,7 @@ class Driver:
             expires = status.get("held_expires_at")
             if expires and time.time() >= float(expires):
                 return  # the expiry must be recorded: re-create the actor and let it refuse the call
-            if time.time() >= give_up_at - self.deadline_grace_s:
+            if time.time() >= deadline_at:
                 return  # past its deadline: the re-created actor ends it as DEADLINE_EXCEEDED
             await asyncio.sleep(self.poll_s)
 
