@@ -77,8 +77,8 @@ def test_an_actor_that_never_answers_is_reported_after_its_deadline_and_grace(
     created = time.time()
     redis.Redis.from_url(redis_url).hset(status_key("bounds.stuck"), mapping={"state": "RUNNING", "turns": 3})
     driver = _driver(redis_url, created_at=created)
-    # When the driver follows them
-    results = asyncio.run(driver.run())
+    # When the driver follows them (bounded here, so a driver that waits too long fails with where it waited)
+    results = asyncio.run(_within(driver.run(), 30.0))
     # Then each is reported with what is known of it and why the driver stopped waiting, not awaited forever
     by_name = {r.name: r for r in results}
     assert set(by_name) == {"stuck", "also-stuck"}
@@ -89,6 +89,18 @@ def test_an_actor_that_never_answers_is_reported_after_its_deadline_and_grace(
     # And the driver did not give up before deadline + grace had passed
     assert time.time() >= created + 0.5 + 0.5
     assert {h.calls for h in stuck_actors.values()} == {1}
+
+
+async def _within(run: Any, seconds: float) -> Any:
+    task = asyncio.ensure_future(run)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        stack = "".join(f"{frame.f_code.co_filename}:{frame.f_lineno} " for frame in task.get_stack(limit=20))
+        current = asyncio.current_task()
+        pending = [t.get_coro() for t in asyncio.all_tasks() if t is not current and not t.done()]
+        task.cancel()
+        raise AssertionError(f"the driver was still waiting after {seconds}s: {stack}; pending: {pending}")
+    return task.result()
 
 
 def test_a_stop_from_another_thread_ends_the_wait(
