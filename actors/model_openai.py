@@ -33,7 +33,15 @@ import openai
 
 from runtime.clock import Clock, SystemClock
 from runtime.errors import DependencyError, ModelCallCancelled, ProviderRateLimited
-from runtime.ports import CancelToken, ModelReply, ModelRequest, StopReason, ToolCallProposal, Usage
+from runtime.ports import (
+    CancelToken,
+    ModelReply,
+    ModelRequest,
+    RateLimitInfo,
+    StopReason,
+    ToolCallProposal,
+    Usage,
+)
 
 __all__ = [
     "SCENARIO_HEADER",
@@ -274,7 +282,7 @@ class OpenAIModel:
             text="".join(state.text),
             tool_calls=calls,
             usage=self._usage(request, state),
-            rate_limit_remaining=state.remaining,
+            rate_limit=_limit_info(state.remaining),
         )
 
     def _usage(self, request: ModelRequest, state: _Stream) -> Usage:
@@ -298,6 +306,14 @@ class OpenAIModel:
             retry_after=_retry_after(headers, self._clock.wall()),
             remaining=_remaining(headers),
         )
+
+
+def _limit_info(remaining: Mapping[str, float]) -> RateLimitInfo | None:
+    if not remaining:
+        return None
+    return RateLimitInfo(
+        remaining_requests=remaining.get("requests"), remaining_tokens=remaining.get("tokens")
+    )
 
 
 def _remaining(headers: Mapping[str, str]) -> dict[str, float]:

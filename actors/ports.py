@@ -33,6 +33,7 @@ __all__ = [
     "RelayClaim",
     "RelayDelivery",
     "RelayStream",
+    "TimerStore",
     "VerifiedControl",
 ]
 
@@ -99,6 +100,19 @@ class LiveEventSink(Protocol):
 
 class ClosableLogStore(LogStore, Protocol):
     """A ``runtime.ports.LogStore`` that holds a connection the actor closes when it goes away."""
+
+    async def close(self) -> None: ...
+
+
+class TimerStore(Protocol):
+    """Durable timers (ARCHITECTURE.md, "Durable timers"): a timer stored here fires as an input to whichever
+    incarnation of its trajectory exists, even after the actor hibernated or died. Implemented over Redis by
+    ``cluster.timers.RedisTimerStore``; a timer service in the cluster delivers due ones (the trajectory
+    actor's ``fire_timer``). Delivery is at-least-once; the trajectory ignores a timer it no longer holds."""
+
+    async def schedule(self, trajectory_id: str, timer_id: str, due_at: float) -> None: ...
+
+    async def cancel(self, trajectory_id: str, timer_id: str) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -227,4 +241,8 @@ class ClusterPorts(Protocol):
 
     def audit_sink(self, redis_url: str, maxlen: int) -> AuditSink:
         """Where a relay writes audit entries (``tether:audit``)."""
+        ...
+
+    def timer_store(self, redis_url: str) -> TimerStore:
+        """The durable timer store (``tether:timers``)."""
         ...

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from actors.sandbox import Sandbox
 from runtime.errors import InputError, PolicyRefusal
-from runtime.ports import OutcomeClass, Settlement, ToolInvocation, ToolOutcome
+from runtime.ports import OutcomeClass, ProbeResult, Settlement, ToolInvocation, ToolOutcome
 from runtime.tools import RepeatContract, SideEffect, ToolContract
 
 __all__ = [
@@ -127,9 +127,11 @@ class LocalToolPort:
         self._results[invocation.effect_key] = outcome
         return outcome
 
-    async def probe(self, tool: str, effect_key: str, deadline: float) -> Settlement:
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> ProbeResult:
         recorded = self._results.get(effect_key)
-        return recorded.settlement if recorded is not None else Settlement.UNKNOWN
+        if recorded is None:
+            return ProbeResult(Settlement.UNKNOWN, detail="no record of this effect key in this process")
+        return ProbeResult(recorded.settlement, recorded.result, "recorded in process")
 
     async def cancel(self, tool: str, effect_key: str) -> None:
         task = self._running.get(effect_key)

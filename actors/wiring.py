@@ -39,6 +39,7 @@ from runtime.ports import (
     GuardPermit,
     GuardPort,
     OutcomeClass,
+    ProbeResult,
     Settlement,
     ToolInvocation,
     ToolOutcome,
@@ -139,7 +140,7 @@ class RoutedToolPort:
     async def invoke(self, invocation: ToolInvocation) -> ToolOutcome:
         return await self._port(invocation.tool).invoke(invocation)
 
-    async def probe(self, tool: str, effect_key: str, deadline: float) -> Settlement:
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> ProbeResult:
         return await self._port(tool).probe(tool, effect_key, deadline)
 
     async def cancel(self, tool: str, effect_key: str) -> None:

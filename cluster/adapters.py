@@ -33,6 +33,7 @@ from cluster.embedded import redis_errors
 from cluster.log_store import RedisLogStore
 from cluster.signing import Keyring, Verifier
 from cluster.signing import keyring_path as default_keyring_path
+from cluster.timers import RedisTimerStore
 
 __all__ = [
     "ClusterAdapters",
@@ -219,6 +220,9 @@ class ClusterAdapters:
         return RelayControlStream(
             ControlStream.from_url(redis_url, socket_timeout=self.relay_socket_timeout_s)
         )
+
+    def timer_store(self, redis_url: str) -> RedisTimerStore:
+        return RedisTimerStore.from_url(redis_url)
 
     def audit_sink(self, redis_url: str, maxlen: int) -> RedisAudit:
         client = aioredis.Redis.from_url(redis_url, socket_timeout=self.relay_socket_timeout_s)

@@ -160,7 +160,7 @@ class ToolStage:
         await self.h._flush()
         deadline = self.h.ports.clock.wall() + self.h.config.tool_timeout_s
         try:
-            return await self.h.ports.tools.probe(tool, key, deadline)
+            return (await self.h.ports.tools.probe(tool, key, deadline)).settlement
         except Exception as e:
             _log.warning("probe of %s for %s failed: %s", tool, key, e)
             return Settlement.UNKNOWN

@@ -18,6 +18,7 @@ from runtime.clock import Clock
 from runtime.ports import (
     GuardPermit,
     OutcomeClass,
+    RateLimitInfo,
     SandboxPermit,
     Settlement,
     ToolOutcome,
@@ -132,6 +133,9 @@ class UnlimitedAdmission:
     async def report_rate_limited(
         self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
     ) -> None:
+        return None
+
+    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
         return None
 
     async def acquire_sandbox(

@@ -65,11 +65,15 @@ class DependencyError(TetherError):
         scope: str | None = None,
         retry_after: float | None = None,
         non_retryable: bool = False,
+        usage: object = None,
     ) -> None:
         super().__init__(message)
         self.scope = scope
         self.retry_after = retry_after
         self.non_retryable = non_retryable
+        # What the dependency billed before it failed, when it says (a model call's partial
+        # ``runtime.ports.Usage``: streamed chunks before a break). None: nothing seen.
+        self.usage = usage
 
 
 class ControlError(TetherError):
@@ -162,10 +166,21 @@ class IllegalTransition(IllegalEvent):
 
 
 class ProviderRateLimited(DependencyError):
-    """The model provider answered 429."""
+    """The model provider answered 429: admission feedback, never a model failure.
 
-    def __init__(self, message: str, *, scope: str | None = None, retry_after: float | None = None) -> None:
+    ``rate_limit`` is the ``runtime.ports.RateLimitInfo`` parsed from the response's headers (None when the
+    adapter saw none); ``retry_after`` repeats its ``retry_after_s``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        scope: str | None = None,
+        retry_after: float | None = None,
+        rate_limit: object = None,
+    ) -> None:
         super().__init__(message, scope=scope, retry_after=retry_after, non_retryable=False)
+        self.rate_limit = rate_limit
 
 
 class ModelCallCancelled(TetherError):

@@ -26,6 +26,8 @@ __all__ = [
     "ModelReply",
     "ModelRequest",
     "OutcomeClass",
+    "ProbeResult",
+    "RateLimitInfo",
     "SandboxPermit",
     "Settlement",
     "StopReason",
@@ -94,13 +96,59 @@ class ModelRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimitInfo:
+    """What a provider said about its limits on one response, 429 or not, parsed from its headers.
+
+    Every field is optional: providers and gateways send different subsets (OpenAI ``x-ratelimit-*`` and
+    ``retry-after-ms``/``Retry-After``; LiteLLM ``llm_provider-retry-after``; others nothing). Counts are
+    per the provider's own window; ``reset_*_s`` are seconds from the response until that count resets.
+    ``retry_after_s`` is the server's minimum wait, whichever header carried it (``hint_source`` names it).
+    """
+
+    retry_after_s: float | None = None
+    limit_requests: float | None = None
+    limit_tokens: float | None = None
+    remaining_requests: float | None = None
+    remaining_tokens: float | None = None
+    reset_requests_s: float | None = None
+    reset_tokens_s: float | None = None
+    hint_source: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return all(
+            getattr(self, name) is None
+            for name in (
+                "retry_after_s",
+                "limit_requests",
+                "limit_tokens",
+                "remaining_requests",
+                "remaining_tokens",
+                "reset_requests_s",
+                "reset_tokens_s",
+            )
+        )
+
+    def remaining(self) -> dict[str, float]:
+        """The ``remaining`` counts as the scheduler's ``observe_remaining`` takes them."""
+        out: dict[str, float] = {}
+        if self.remaining_requests is not None:
+            out["requests"] = self.remaining_requests
+        if self.remaining_tokens is not None:
+            out["tokens"] = self.remaining_tokens
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class ModelReply:
     stop_reason: StopReason
     text: str
     tool_calls: Sequence[ToolCallProposal]
     usage: Usage
-    # What the provider said about its limits on this response (x-ratelimit-remaining-*), if anything.
-    rate_limit_remaining: Mapping[str, float] = field(default_factory=dict)
+    # What the provider said about its limits on this response, if anything.
+    rate_limit: RateLimitInfo | None = None
+    # True when the provider reported no usage and ``usage`` is the adapter's documented estimate.
+    usage_estimated: bool = False
 
 
 class CancelToken:
@@ -175,13 +223,24 @@ class ToolOutcome:
     retry_after: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What a result-recovery probe established about one effect key. ``result`` is the endpoint's stored
+    reply when ``settlement`` is ESTABLISHED (so a recovered provisioning binds its resource id exactly as
+    a delivered reply would); ``detail`` says what the endpoint answered, for the evidence trail."""
+
+    settlement: Settlement
+    result: Any = None
+    detail: str = ""
+
+
 @runtime_checkable
 class ToolPort(Protocol):
     """Dispatches tool calls to a dependency. Timeouts settle nothing: they return UNKNOWN."""
 
     async def invoke(self, invocation: ToolInvocation) -> ToolOutcome: ...
 
-    async def probe(self, tool: str, effect_key: str, deadline: float) -> Settlement: ...
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> ProbeResult: ...
 
     async def cancel(self, tool: str, effect_key: str) -> None: ...
 
@@ -245,6 +304,11 @@ class AdmissionPort(Protocol):
     async def report_rate_limited(
         self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
     ) -> None: ...
+
+    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+        """Admission feedback from one provider response: a 429 (``rate_limited``) and/or the limits its
+        headers stated. The scheduler learns the real limit from them (a configured limit may be wrong)."""
+        ...
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from runtime.errors import AdmissionRefused, TetherError
-from runtime.ports import SandboxPermit, TurnGrant, TurnRequest
+from runtime.ports import RateLimitInfo, SandboxPermit, TurnGrant, TurnRequest
 from scheduler.config import SchedulerConfig
 from scheduler.core import SchedulerSnapshot
 from scheduler.errors import SchedulerInputError
@@ -239,6 +239,13 @@ class SchedulerHandle:
 
     async def report_remaining(self, provider_key: str, remaining: Mapping[str, float]) -> None:
         await self._call("report_remaining", provider_key, dict(remaining))
+
+    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+        """Admission feedback from one provider response (a 429 and/or its limit headers)."""
+        if rate_limited:
+            await self.report_rate_limited(provider_key, info.retry_after_s, info.remaining())
+        elif info.remaining():
+            await self.report_remaining(provider_key, info.remaining())
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float

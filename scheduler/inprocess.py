@@ -20,7 +20,7 @@ from typing import Any
 from runtime.clock import Clock, SystemClock
 from runtime.dispatch import UnlimitedAdmission
 from runtime.errors import AdmissionRefused
-from runtime.ports import SandboxPermit, TurnGrant, TurnRequest
+from runtime.ports import RateLimitInfo, SandboxPermit, TurnGrant, TurnRequest
 from scheduler.config import SchedulerConfig
 from scheduler.core import Admitted, Decision, PermitGranted, Refused, SchedulerCore, SchedulerSnapshot
 from scheduler.errors import Predicate
@@ -69,6 +69,13 @@ class InProcessScheduler:
         with self._lock:
             self.core.report_rate_limited(provider_key, retry_after, remaining)
         self._poke()
+
+    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+        """Admission feedback from one provider response (a 429 and/or its limit headers)."""
+        if rate_limited:
+            await self.report_rate_limited(provider_key, info.retry_after_s, info.remaining())
+        elif info.remaining():
+            await self.report_remaining(provider_key, info.remaining())
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float

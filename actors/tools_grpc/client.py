@@ -31,6 +31,7 @@ from actors.tools_grpc.status_map import classify_status, retry_after_from_metad
 from runtime.clock import Clock, SystemClock
 from runtime.errors import CodecError, DependencyError
 from runtime.ports import OutcomeClass, Settlement, ToolInvocation, ToolOutcome
+from runtime.ports import ProbeResult as PortProbeResult
 
 __all__ = ["CHANNEL_OPTIONS", "CancelResult", "CancelState", "GrpcToolPort", "ProbeResult"]
 
@@ -171,9 +172,11 @@ class GrpcToolPort:
             settlement=Settlement.ESTABLISHED, outcome_class=OutcomeClass.SUCCESS, result=result
         )
 
-    async def probe(self, tool: str, effect_key: str, deadline: float) -> Settlement:
-        """The endpoint's evidence about ``effect_key``; a failed probe settles nothing (UNKNOWN)."""
-        return (await self.probe_result(tool, effect_key, deadline)).settlement
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> PortProbeResult:
+        """The endpoint's evidence about ``effect_key`` with the recovered result; a failed probe settles
+        nothing (UNKNOWN)."""
+        found = await self.probe_result(tool, effect_key, deadline)
+        return PortProbeResult(found.settlement, found.result, found.detail)
 
     async def probe_result(self, tool: str, effect_key: str, deadline: float) -> ProbeResult:
         """Like ``probe`` but with the recovered result, the fence and the endpoint's detail."""

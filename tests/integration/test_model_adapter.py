@@ -145,8 +145,9 @@ async def test_rate_limit_remaining_is_reported_on_success(
     model: OpenAIModel, server: ProviderServer
 ) -> None:
     reply = await model.complete(request("finish_after:0"), CancelToken())
-    assert reply.rate_limit_remaining["requests"] == 999
-    assert 0 < reply.rate_limit_remaining["tokens"] < 1_000_000
+    assert reply.rate_limit is not None
+    assert reply.rate_limit.remaining_requests == 999
+    assert reply.rate_limit.remaining_tokens is not None and 0 < reply.rate_limit.remaining_tokens < 1_000_000
 
 
 @pytest.mark.parametrize("scenario", ["malformed_json", "truncate"])

@@ -23,6 +23,7 @@ from runtime.ports import (
     ModelReply,
     ModelRequest,
     OutcomeClass,
+    ProbeResult,
     Settlement,
     StopReason,
     ToolCallProposal,
@@ -113,8 +114,10 @@ class FakeTools:
             self.ledger.by_tool[inv.tool] += 1
         return ToolOutcome(Settlement.ESTABLISHED, OutcomeClass.SUCCESS, {"ok": True, "tool": inv.tool})
 
-    async def probe(self, tool: str, effect_key: str, deadline: float) -> Settlement:
-        return Settlement.ESTABLISHED if self.ledger.effects[effect_key] else Settlement.ESTABLISHED_ABSENT
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> ProbeResult:
+        if self.ledger.effects[effect_key]:
+            return ProbeResult(Settlement.ESTABLISHED, {"ok": True})
+        return ProbeResult(Settlement.ESTABLISHED_ABSENT)
 
     async def cancel(self, tool: str, effect_key: str) -> None:
         return None
