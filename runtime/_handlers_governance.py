@@ -56,10 +56,11 @@ def _control_applied(rec: TrajectoryRecord, ev: ControlApplied) -> TrajectoryRec
 def _control_rejected(rec: TrajectoryRecord, ev: ControlRejected) -> TrajectoryRecord:
     if any(p.message_id == ev.message_id for p in rec.pending_control):
         refuse(rec, ev, "already_pending", "a recorded request is applied or superseded, not rejected")
+    # Verify before dedupe: an unverified refusal never occupies its id, or a tampered copy that arrived
+    # first would make the genuine message with the same id look like a duplicate.
+    seen = rec.seen_control_ids | {ev.message_id} if ev.verified else rec.seen_control_ids
     return replace(
-        rec,
-        audit=audit(rec, AuditKind.CONTROL_REJECTED, ev.message_id, ev.reason),
-        seen_control_ids=rec.seen_control_ids | {ev.message_id},
+        rec, audit=audit(rec, AuditKind.CONTROL_REJECTED, ev.message_id, ev.reason), seen_control_ids=seen
     )
 
 

@@ -77,7 +77,9 @@ def on_control(
     if message_id in record.seen_control_ids:
         return None
     if record.is_terminal:
-        return ControlRejected(message_id, "trajectory_terminal", f"trajectory ended {record.state}")
+        return ControlRejected(
+            message_id, "trajectory_terminal", f"trajectory ended {record.state}", verified=True
+        )
     return ControlRequested(message_id, action, issuer, reason, dict(payload or {}))
 
 

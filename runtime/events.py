@@ -441,10 +441,15 @@ class ControlApplied:
 
 @dataclass(frozen=True, slots=True)
 class ControlRejected:
+    """Audit of a refused control message. ``verified`` marks a message whose signature checked out but
+    which could not apply (the trajectory had ended): only such a message spends its id. An unverified
+    refusal (bad signature, unknown key, ...) never does, so a tampered copy cannot pre-empt the genuine one."""
+
     kind: ClassVar[str] = "control_rejected"
     message_id: str
     reason: str
     detail: str = ""
+    verified: bool = False
 
     def __post_init__(self) -> None:
         _id(self.message_id, "message_id")

@@ -140,8 +140,10 @@ async def test_local_tools_apply_each_effect_key_once_and_classify_failures() ->
     port = LocalToolPort(tools)
     first, repeat = await port.invoke(invocation("noop", "k1")), await port.invoke(invocation("noop", "k1"))
     assert first == repeat and calls == [1] and port.executions == 1
-    assert await port.probe("noop", "k1", 0.0) is Settlement.ESTABLISHED
-    assert await port.probe("noop", "never-seen", 0.0) is Settlement.UNKNOWN  # not "absent": we cannot know
+    found = await port.probe("noop", "k1", 0.0)
+    assert found.settlement is Settlement.ESTABLISHED and found.result == {"n": 1}  # the result comes back
+    missing = await port.probe("noop", "never-seen", 0.0)
+    assert missing.settlement is Settlement.UNKNOWN  # not "absent": we cannot know
     refused = await LocalToolPort([LocalTool(base, refuse)]).invoke(invocation("noop", "k2"))
     crashed = await LocalToolPort([LocalTool(base, crash)]).invoke(invocation("noop", "k3"))
     assert (refused.settlement, refused.outcome_class) == (

@@ -11,18 +11,19 @@ from runtime.record import AuditKind, ControlAction
 from .fakes import FakeTools, ScriptedModel, created, finish_after, harness
 
 
-async def test_a_refused_message_is_audited_once_and_its_id_is_then_spent() -> None:
+async def test_a_refused_message_is_audited_and_never_spends_its_id() -> None:
     # Given a live trajectory
     clock, log = FakeClock(), MemoryLogStore()
     h = harness(ScriptedModel(finish_after(1)), FakeTools(), clock, log)
     await h.create(created(clock))
-    # When the shell refuses a message twice (a redelivery), then the same id arrives again as valid
-    first = await h.reject_control("m-forged", "BAD_SIGNATURE", "signature of 'mallory' does not verify")
-    again = await h.reject_control("m-forged", "BAD_SIGNATURE")
-    replay = await h.deliver_control("m-forged", ControlAction.KILL, "alice", "reuse of a refused id")
-    # Then exactly one audit entry exists, it survives a fold of the log, and the id cannot be reused
-    assert (first, again, replay) == (True, False, "duplicate")
+    # When the shell refuses a tampered copy twice (a redelivery), then the genuine message with that id arrives
+    first = await h.reject_control("m-1", "BAD_SIGNATURE", "signature of 'mallory' does not verify")
+    again = await h.reject_control("m-1", "BAD_SIGNATURE")
+    genuine = await h.deliver_control("m-1", ControlAction.PAUSE, "alice", "the operator's own message")
+    # Then both refusals are audited, the genuine message is recorded (verify before dedupe: a tampered
+    # copy cannot cancel it), and the record survives a fold of the log
+    assert (first, again, genuine) == (True, True, "recorded")
     audits = [a for a in h.record.audit if a.kind is AuditKind.CONTROL_REJECTED]
-    assert [(a.subject, a.reason) for a in audits] == [("m-forged", "BAD_SIGNATURE")]
+    assert [(a.subject, a.reason) for a in audits] == [("m-1", "BAD_SIGNATURE")] * 2
     assert fold([decode(p) for _, p in await log.read("t1")]) == h.record
-    assert h.record.pending_control == ()
+    assert [p.message_id for p in h.record.pending_control] == ["m-1"]

@@ -12,7 +12,7 @@ from runtime.clock import FakeClock
 from runtime.dispatch import UnlimitedAdmission
 from runtime.harness import Harness, HarnessConfig, HarnessPorts
 from runtime.memstore import MemoryLogStore
-from runtime.ports import Settlement
+from runtime.ports import ProbeResult, Settlement
 from runtime.states import TrajectoryState
 from runtime.tools import Compensation, RepeatContract, SideEffect, ToolContract, ToolRegistry
 
@@ -62,9 +62,9 @@ class ProbingTools(FakeTools):
         self.answer = answer
         self.probes = 0
 
-    async def probe(self, tool: str, effect_key: str, deadline: float) -> Settlement:
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> ProbeResult:
         self.probes += 1
-        return self.answer
+        return ProbeResult(self.answer)
 
 
 def _harness(tools: FakeTools, clock: FakeClock, log: MemoryLogStore) -> Harness:
