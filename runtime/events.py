@@ -443,7 +443,7 @@ class ControlApplied:
 class ControlRejected:
     """Audit of a refused control message. ``verified`` marks a message whose signature checked out but
     which could not apply (the trajectory had ended): only such a message spends its id. An unverified
-    refusal (bad signature, unknown key, ...) never does, so a tampered copy cannot pre-empt the genuine one."""
+    refusal (bad signature, unknown key, ...) never does: a tampered copy cannot pre-empt the genuine one."""
 
     kind: ClassVar[str] = "control_rejected"
     message_id: str

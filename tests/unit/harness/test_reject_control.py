@@ -16,7 +16,7 @@ async def test_a_refused_message_is_audited_and_never_spends_its_id() -> None:
     clock, log = FakeClock(), MemoryLogStore()
     h = harness(ScriptedModel(finish_after(1)), FakeTools(), clock, log)
     await h.create(created(clock))
-    # When the shell refuses a tampered copy twice (a redelivery), then the genuine message with that id arrives
+    # When the shell refuses a tampered copy twice (a redelivery), then the genuine message arrives
     first = await h.reject_control("m-1", "BAD_SIGNATURE", "signature of 'mallory' does not verify")
     again = await h.reject_control("m-1", "BAD_SIGNATURE")
     genuine = await h.deliver_control("m-1", ControlAction.PAUSE, "alice", "the operator's own message")
