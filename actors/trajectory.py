@@ -10,9 +10,10 @@ receives control messages.
   dies (SIGKILL, node loss) the actor is rebuilt from the same launch, folds its log and continues. Budgets,
   spend, turn count and pending approvals carry over; an operation whose intent was logged but whose result
   was not is *unknown* and is not re-dispatched unless its repeat contract allows it (the harness decides).
-- ``deliver`` verifies a signed control message (signature, role, validity window, replay against the
-  record's seen ids and ``tether:nonces:<id>``) before the harness records it; a refusal with a new message
-  id is audited in the trajectory's log (``ControlRejected``).
+- ``deliver`` verifies a signed control message (signature, signers, role, validity window) before it
+  looks at anything seen: only then is a known id a duplicate and a used nonce (``tether:nonces:<id>``) a
+  replay; a refusal is audited in the trajectory's log (``ControlRejected``, which never spends the id of
+  a message that did not verify).
 - Hibernation: when the harness returns from a long wait (approval, pause) the actor closes its ports, marks
   its status ``hibernated=1`` and exits for good; ``ensure_actor(load_launch(...))`` brings it back.
 - Kill: the harness's ``on_kill`` hook tears the trajectory's sandbox process groups down at once.
@@ -32,7 +33,7 @@ import redis.asyncio as aioredis
 
 from actors.launch import TrajectoryLaunch, load_launch, save_launch
 from actors.metrics_ray import RayBackend
-from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier
+from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier, VerifiedControl
 from actors.sandbox import Sandbox
 from actors.status import StatusPublisher, summarize
 from actors.tools_local import LOCAL_SCOPE
@@ -66,6 +67,10 @@ TRAJECTORY_RESOURCE = "tether_trajectory"
 NONCE_KEY_PREFIX = "tether:nonces:"
 _NONCE_TTL_S = 2 * 86_400  # longer than any message's validity window (Verifier.max_ttl_s)
 _log = logging.getLogger(__name__)
+
+
+def _not_judged_here(_message_id: str, _nonce: str) -> bool:
+    return False  # replay is judged after verification, against the record and the nonce set
 
 
 def actor_name(trajectory_id: str) -> str:
@@ -127,7 +132,14 @@ class TrajectoryActor:
             self._run_callers -= 1
 
     async def deliver(self, message: bytes) -> str:
-        """Verify and record one signed control message: "recorded", "duplicate" or "rejected:<REASON>"."""
+        """Verify, then record one signed control message: "recorded", "duplicate" or "rejected:<REASON>".
+
+        Verify before dedupe (issue 16): the signature, the signers, their roles and the validity window
+        are checked before the message is compared with anything seen, so a copy that does not verify can
+        neither take a message id nor pass for a duplicate of the genuine message (it is refused and
+        audited, and the genuine one still applies when it comes). Only a verified message whose id the
+        record holds is a duplicate; only a verified message whose nonce was used is a replay.
+        """
         if self._exiting:
             # about to exit for hibernation: the relay must deliver again to the re-created actor
             raise RuntimeError(f"{actor_name(self.launch.trajectory_id)} is hibernating; deliver again")
@@ -138,18 +150,27 @@ class TrajectoryActor:
         except CodecError as e:
             _log.warning("undecodable control message for %s: %s", self.launch.trajectory_id, e)
             return f"rejected:{MALFORMED}"
+        if msg.trajectory_id != self.launch.trajectory_id:
+            await self._audit(harness, msg, "WRONG_TRAJECTORY", f"addressed to {msg.trajectory_id}")
+            return "rejected:WRONG_TRAJECTORY"
+        try:
+            # everything but replay: that is judged below, against the record, for verified messages only
+            verified = verifier.verify(msg, self._clock.wall(), _not_judged_here)
+        except ControlError as e:
+            await self._audit(harness, msg, e.reason, str(e))  # unverified: never spends the id
+            return f"rejected:{e.reason}"
         if msg.message_id in harness.record.seen_control_ids:
             return "duplicate"
         inflight = self._inflight.get(msg.message_id)
         if inflight is not None:
-            # The same message is being delivered right now (two relays, or a redelivery): whatever the
-            # first delivery answers, this one is its duplicate, never a second record or a "replay".
+            # The same verified message is being delivered right now (two relays, or a redelivery):
+            # whatever the first delivery answers, this one is its duplicate, never a second record.
             first = await asyncio.shield(inflight)
             return "duplicate" if first in ("recorded", "duplicate") else first
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._inflight[msg.message_id] = future
         try:
-            answer = await self._deliver_new(harness, verifier, msg)
+            answer = await self._deliver_new(harness, msg, verified)
         except asyncio.CancelledError:
             future.cancel()
             raise
@@ -163,20 +184,11 @@ class TrajectoryActor:
         finally:
             del self._inflight[msg.message_id]
 
-    async def _deliver_new(self, harness: Harness, verifier: ControlVerifier, msg: ControlEnvelope) -> str:
-        if msg.trajectory_id != self.launch.trajectory_id:
-            await self._audit(harness, msg, "WRONG_TRAJECTORY", f"addressed to {msg.trajectory_id}")
-            return "rejected:WRONG_TRAJECTORY"
-        nonce_used = bool(await self._client().sismember(self._nonce_key, msg.nonce))
-        try:
-            verified = verifier.verify(
-                msg,
-                self._clock.wall(),
-                lambda mid, _nonce: nonce_used or mid in harness.record.seen_control_ids,
-            )
-        except ControlError as e:
-            await self._audit(harness, msg, e.reason, str(e))
-            return f"rejected:{e.reason}"
+    async def _deliver_new(self, harness: Harness, msg: ControlEnvelope, verified: VerifiedControl) -> str:
+        """Record a verified message with a new id, unless its nonce was used (a replay)."""
+        if await self._client().sismember(self._nonce_key, msg.nonce):
+            await self._audit(harness, msg, "REPLAYED", f"message {msg.message_id}: nonce already used")
+            return "rejected:REPLAYED"
         payload: dict[str, Any] = dict(msg.payload)
         action = ControlAction(msg.action)
         if action in (ControlAction.APPROVE, ControlAction.DENY):
@@ -186,6 +198,7 @@ class TrajectoryActor:
         if answer == "rejected":
             return "rejected:TRAJECTORY_TERMINAL"
         if answer == "recorded":
+            # the nonce set holds only verified, recorded messages
             client = self._client()
             await client.sadd(self._nonce_key, msg.nonce)
             await client.expire(self._nonce_key, _NONCE_TTL_S)
