@@ -1,70 +1,65 @@
-"""Control relays: carry signed control messages from ``tether:control`` to the trajectory actors.
+"""The relay loop: carry signed control messages from the control partitions to the trajectory actors.
 
-Issue 4, "Transport" (and ARCHITECTURE.md, "Control protocol"):
+Issues 4 and 16, "Transport" (and ARCHITECTURE.md, "Control protocol"):
 
-- Every relay (``relay:<n>`` in namespace ``tether``) reads the stream through ONE consumer group, so each
-  entry goes to one relay at a time.
-- An entry is ``XACK``ed only after the trajectory actor answered: it has durably recorded the request in its
-  own log, or recognised a duplicate, or rejected it (and audited why). Until then the entry stays pending.
-- A relay that dies leaves its entries pending; every relay periodically runs ``XAUTOCLAIM`` for entries
-  idle longer than ``claim_idle_ms`` and delivers them itself. A delivery that failed (actor died mid-call)
-  is retried the same way. Delivery is therefore at-least-once; the actor dedupes by message id.
-- A message for an unknown trajectory, or an entry that does not decode, becomes an audit entry on
-  ``tether:audit`` and is acked: one bad message must never turn into an exception loop.
-- A message for a trajectory whose actor is gone but whose launch record exists (hibernated, or died) wakes
-  it: the actor is re-created, folds its log, records the message and is told to run on.
+- **One reader per partition.** The control stream is split into partitions by trajectory
+  (``tether:control:<n>``). Each relay (``relay:<n>`` in namespace ``tether``) beats into a membership set,
+  computes which partitions are its own (highest-random-weight hashing over the live relays, so every relay
+  agrees and a change moves only the dead or new relay's share) and holds a lease on each. It reads only the
+  partitions it holds, so one trajectory's messages reach it, and only it, in publishing order.
+- **Takeover.** A relay that dies stops beating and its leases lapse (``lease_ms``); the relays that now own
+  its partitions take each over by claiming every entry still pending there (``XAUTOCLAIM``, any idle time)
+  before reading new ones, so nothing is lost and the order holds.
+- **Per-trajectory lanes.** Entries go into one FIFO lane per trajectory, each served by its own task: a
+  slow, unplaced or dead trajectory delays only its own later messages, never another's; a failed delivery
+  is retried with that lane's own backoff (exponential, full jitter), in place, so the order still holds.
+- **Ack after the answer.** An entry is ``XACK``ed only once the trajectory actor answered (recorded, a
+  duplicate, or refused) or the relay itself refused it; every answer other than "recorded" is audited on
+  ``tether:audit`` with a precise reason (``MALFORMED``, ``MISSING_FIELD``, ``TRIMMED``,
+  ``UNKNOWN_TRAJECTORY``, ``TRAJECTORY_TERMINAL``, ``DUPLICATE``, or the verifier's code such as
+  ``BAD_SIGNATURE``, ``UNKNOWN_KEY``, ``EXPIRED``).
+- **Redis away.** The loop rides out a Redis outage within ``outage_budget_s`` (issue 13): it backs off and
+  tries again, and only a longer outage ends it.
 
-``Relay`` is the loop with its ports injected (unit-testable without Ray or Redis); ``RelayActor`` is the
-thin Ray shell and ``start_relays`` the helper the runner calls. The Redis transport and the audit sink
-come from the injected ``actors.ports.ClusterPorts`` (``cluster.adapters``): this module never imports
-``cluster``.
+``Relay`` is the loop with its ports injected (unit-tested without Ray or Redis). ``actors.relay`` holds
+what it delivers through (verify first, then resolve or wake the trajectory: ``actors.incarnation``), the
+thin Ray shell ``RelayActor`` and ``start_relays``, the helper the runner calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import importlib
 import logging
-import os
-import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.ports import (
-    AuditEntry,
-    AuditSink,
-    ClusterPorts,
-    ControlEnvelope,
-    RelayDelivery,
-    RelayStream,
-)
+from actors.outage import Backoff, Outage, OutageExceeded, is_outage
+from actors.ports import AuditEntry, AuditSink, ControlEnvelope, RelayDelivery, RelayStream
 from runtime.clock import Clock, SystemClock
-from runtime.errors import DependencyError
 
 __all__ = [
     "AUDIT_STREAM",
     "DEFAULT_GROUP",
     "NAMESPACE",
+    "TERMINAL",
     "UNKNOWN",
     "AuditEntry",
     "AuditReason",
     "AuditSink",
     "DeliveryPort",
     "HandleResult",
-    "RayTrajectoryDirectory",
     "Relay",
-    "RelayActor",
     "RelayConfig",
     "StreamPort",
-    "TargetGone",
+    "owner_of",
     "relay_name",
-    "start_relays",
-    "stop_relays",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +68,7 @@ NAMESPACE = "tether"
 DEFAULT_GROUP = "relays"
 AUDIT_STREAM = "tether:audit"
 UNKNOWN = "unknown"  # what a DeliveryPort answers for a trajectory nobody ever launched
+TERMINAL = "terminal"  # ... for a trajectory that ended (its actor is gone and is not woken for this)
 
 
 def relay_name(n: int) -> str:
@@ -81,63 +77,95 @@ def relay_name(n: int) -> str:
 
 
 class RelayConfig(BaseModel):
-    """How relays read the control stream. All relays of a cluster share ``group``."""
+    """How relays read the control partitions. All relays of a cluster share ``group``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     group: str = Field(default=DEFAULT_GROUP, min_length=1, max_length=64)
-    batch: int = Field(default=32, ge=1, le=1000)
+    batch: int = Field(default=64, ge=1, le=1000)
     block_ms: int = Field(default=200, ge=1, le=10_000)  # bounds how long stop() waits for the loop
-    claim_idle_ms: int = Field(default=5_000, ge=1)  # pending this long on any relay: presumed dead
-    claim_every_s: float = Field(default=1.0, gt=0.0)
-    deliver_timeout_s: float = Field(default=30.0, gt=0.0)
-    error_backoff_s: float = Field(default=0.5, ge=0.0)
+    lease_ms: int = Field(default=5_000, ge=100)  # a relay silent this long is presumed dead
+    lease_every_s: float = Field(default=1.0, gt=0.0)  # how often leases and membership are renewed
+    deliver_timeout_s: float = Field(default=30.0, gt=0.0)  # one call to a placed actor
+    wake_wait_s: float = Field(default=600.0, gt=0.0)  # a woken actor waiting for a free trajectory slot
+    retry_base_s: float = Field(default=0.05, gt=0.0)  # a lane's first retry delay (then doubling)
+    retry_max_s: float = Field(default=5.0, gt=0.0)  # ... up to this
+    max_queued: int = Field(default=10_000, ge=1)  # entries held in lanes before reading pauses
+    outage_budget_s: float = Field(default=300.0, ge=0.0)  # Redis away this long: the relay gives up
     audit_maxlen: int = Field(default=100_000, ge=1)
+
+    @model_validator(mode="after")
+    def _inside_the_lease(self) -> Self:
+        # A blocked read must end well inside the lease, or a relay could read a partition it just lost;
+        # and a lease must be renewed at least twice per lifetime, or one late renewal loses it.
+        if self.block_ms * 4 > self.lease_ms:
+            raise ValueError(
+                f"block_ms ({self.block_ms}) must be at most a quarter of lease_ms ({self.lease_ms})"
+            )
+        if self.lease_every_s * 1000 * 2 > self.lease_ms:
+            raise ValueError(
+                f"lease_every_s ({self.lease_every_s} s) must be at most half of lease_ms ({self.lease_ms})"
+            )
+        return self
 
 
 class AuditReason(StrEnum):
-    """Why a relay wrote an audit entry (actor rejections carry the verifier's reason after ``REJECTED:``)."""
+    """Why a relay wrote an audit entry. An actor's or the relay's refusal carries the verifier's reason
+    code itself (``BAD_SIGNATURE``, ``UNKNOWN_KEY``, ``WRONG_ROLE``, ``EXPIRED``, ``REPLAYED``, ...)."""
 
     UNKNOWN_TRAJECTORY = "UNKNOWN_TRAJECTORY"
+    TRAJECTORY_TERMINAL = "TRAJECTORY_TERMINAL"
     MALFORMED = "MALFORMED"
+    MISSING_FIELD = "MISSING_FIELD"  # an entry without the message field (a foreign writer)
     TRIMMED = "TRIMMED"  # a pending entry whose message Redis trimmed away before anyone delivered it
-    REJECTED = "REJECTED"
+    DUPLICATE = "DUPLICATE"  # a message the trajectory had already recorded: acked, nothing changed
 
 
 class HandleResult(StrEnum):
     """What the relay did with one entry."""
 
-    DELIVERED = "delivered"  # the actor recorded it (or already had it): acked
-    AUDITED = "audited"  # unknown trajectory, malformed, or rejected by the actor: audited and acked
-    RETRY = "retry"  # delivery failed: left pending, XAUTOCLAIM retries it
+    DELIVERED = "delivered"  # the actor recorded it: acked
+    DUPLICATE = "duplicate"  # the actor already had it: audited and acked
+    AUDITED = "audited"  # refused (unknown, terminal, malformed, unverified...): audited and acked
+    RETRY = "retry"  # the trajectory could not be reached: retried by its lane after a backoff
 
 
 # --------------------------------------------------------------------------- ports
 
 
-StreamPort = RelayStream  # the control stream as a relay reads it (``actors.ports``)
+StreamPort = RelayStream  # the control partitions as a relay reads them (``actors.ports``)
 
 
 class DeliveryPort(Protocol):
-    """Hands one encoded message to its trajectory's actor.
+    """Hands one decoded message to its trajectory.
 
-    Returns the actor's answer (``"recorded"``, ``"duplicate"``, ``"rejected:<REASON>"``) or ``"unknown"``
-    when no such trajectory was ever launched. Raises ``TargetGone`` (or anything else) when the actor could
-    not answer: the relay then leaves the entry pending.
+    Returns the actor's answer (``"recorded"``, ``"duplicate"``, ``"rejected:<REASON>"``), ``"unknown"``
+    when no such trajectory was ever launched, or ``"terminal"`` when it ended. Raises (``TargetGone`` or
+    anything else) when the trajectory could not answer this time: the relay retries after a backoff.
     """
 
-    async def deliver(self, trajectory_id: str, data: bytes) -> str: ...
+    async def deliver(self, envelope: ControlEnvelope) -> str: ...
 
 
-class TargetGone(DependencyError):
-    """The trajectory actor died or timed out before answering; the message stays pending."""
+def owner_of(partition: int, live: Sequence[str]) -> str | None:
+    """The relay that should read ``partition`` among ``live`` (highest random weight; None if none)."""
+    if not live:
+        return None
+    return max(live, key=lambda name: (zlib.crc32(f"{name}|{partition}".encode()), name))
 
 
 # --------------------------------------------------------------------------- the loop
 
 
+@dataclass(slots=True)
+class _Lane:
+    items: collections.deque[RelayDelivery] = field(default_factory=collections.deque)
+    backoff: Backoff = field(default_factory=Backoff)
+    task: asyncio.Task[None] | None = None
+
+
 class Relay:
-    """One relay's read-deliver-ack loop over injected ports."""
+    """One relay's loop over injected ports: membership and leases, reading, lanes, acks, audits."""
 
     def __init__(
         self,
@@ -155,104 +183,281 @@ class Relay:
         self.config = config or RelayConfig()
         self.clock = clock or SystemClock()
         self.counts: dict[str, int] = {r.value: 0 for r in HandleResult}
-        self.claimed = 0
-        self._claim_cursor = "0-0"
-        self._next_claim = 0.0  # claim on the first step: a restarted cluster finishes old work first
+        self.claimed = 0  # entries taken over from partitions that were another relay's (or ours, earlier)
+        self.live: list[str] = []  # the live relays at the last beat
+        self.failed: str | None = None  # why the loop gave up (an outage longer than the budget)
+        self._held: dict[int, float] = {}  # partition -> when its lease was last confirmed (clock.now())
+        self._reading: set[int] = set()  # held partitions whose pending entries were taken over
+        self._lanes: dict[str, _Lane] = {}
+        self._queued = 0
+        self._next_lease = 0.0  # renew on the first step
         self._stopping = asyncio.Event()
+        self._outage = Outage(f"relay {name}", budget_s=self.config.outage_budget_s, clock=self.clock)
+
+    # ------------------------------------------------------------------ loop
 
     async def start(self) -> None:
-        """Create the group if needed."""
-        await self.stream.ensure_group(self.config.group)
+        """Create the group on every partition if needed."""
+        await self._outage.call(lambda: self.stream.ensure_group(self.config.group))
 
     async def step(self, *, block: bool = True) -> int:
-        """One pass: claim stale entries when due, then read and handle new ones. Returns entries handled."""
-        handled = 0
-        if self.clock.now() >= self._next_claim:
-            handled += await self._claim_pass()
-            self._next_claim = self.clock.now() + self.config.claim_every_s
+        """One pass: renew membership and leases when due, then read new entries into the lanes.
+        Returns how many entries were queued."""
+        queued = 0
+        if self.clock.now() >= self._next_lease:
+            queued += await self._refresh()
+            self._next_lease = self.clock.now() + self.config.lease_every_s
+        parts = sorted(p for p in self._reading if self.owns(p))
+        if not parts or self._queued >= self.config.max_queued:
+            if block:
+                await self._pause(self.config.block_ms / 1000)
+            return queued
         fresh = await self.stream.read(
             self.config.group,
             self.name,
+            partitions=parts,
             count=self.config.batch,
             block_ms=self.config.block_ms if block else None,
         )
-        await self.handle_batch(fresh)
-        return handled + len(fresh)
+        self._enqueue(fresh)
+        return queued + len(fresh)
 
-    async def _claim_pass(self) -> int:
-        """Take over entries idle on any consumer (a dead relay's, or our own failed deliveries)."""
-        claimed = await self.stream.claim_stale(
-            self.config.group,
-            self.name,
-            min_idle_ms=self.config.claim_idle_ms,
-            count=self.config.batch,
-            start_id=self._claim_cursor,
-        )
-        self._claim_cursor = claimed.next_start_id
-        for entry_id in claimed.deleted_ids:
-            # Redis dropped these from the PEL itself; there is nothing to deliver or ack.
-            await self._audit(AuditReason.TRIMMED, "pending entry was trimmed before delivery", entry_id)
-        self.claimed += len(claimed.deliveries)
-        await self.handle_batch(claimed.deliveries)
-        return len(claimed.deliveries)
-
-    async def handle_batch(self, deliveries: list[RelayDelivery]) -> None:
-        """Handle a batch: different trajectories concurrently, one trajectory's messages in stream order
-        (a pause followed by a resume must arrive in that order), each entry acked on its own answer."""
-        lanes: dict[str, list[RelayDelivery]] = {}
-        for d in deliveries:
-            lane = d.envelope.trajectory_id if d.envelope is not None else f"(entry {d.entry_id})"
-            lanes.setdefault(lane, []).append(d)
-
-        async def run_lane(lane: list[RelayDelivery]) -> None:
-            for d in lane:
-                await self.handle(d)
-
-        await asyncio.gather(*(run_lane(lane) for lane in lanes.values()))
-
-    async def handle(self, delivery: RelayDelivery) -> HandleResult:
-        """Deliver one entry; ack unless the actor could not answer."""
-        result = await self._handle(delivery)
-        self.counts[result.value] += 1
-        if result is not HandleResult.RETRY:
-            await self.stream.ack(self.config.group, delivery.entry_id)
-        return result
-
-    async def _handle(self, delivery: RelayDelivery) -> HandleResult:
-        message = delivery.envelope
-        if message is None:
-            reason = AuditReason.TRIMMED if delivery.trimmed else AuditReason.MALFORMED
-            await self._audit(reason, str(delivery.error), delivery.entry_id)
-            return HandleResult.AUDITED
+    async def run_forever(self) -> None:
+        """Loop until ``stop()``; a failing step (Redis away) backs off and retries within the outage
+        budget. Past it the relay gives its partitions up and ends (``failed`` says why)."""
         try:
-            answer = await asyncio.wait_for(
-                self.targets.deliver(message.trajectory_id, message.data),
-                self.config.deliver_timeout_s,
+            await self.start()
+            while not self._stopping.is_set():
+                try:
+                    await self.step()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    if not is_outage(e):
+                        log.exception("%s: relay step failed; retrying", self.name)
+                    else:
+                        log.warning("%s: Redis unreachable, waiting: %s", self.name, e)
+                    await self._outage.failed(e)
+                else:
+                    self._outage.ok()
+        except OutageExceeded as e:
+            self.failed = str(e)
+            log.error("%s: giving up: %s", self.name, e)
+            self._drop_all()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def shutdown(self) -> None:
+        """Cancel the lanes and give the leases back, so another relay takes over at once."""
+        lanes = [lane.task for lane in self._lanes.values() if lane.task is not None]
+        for task in lanes:
+            task.cancel()
+        for task in lanes:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._drop_all()
+        held = sorted(self._held)
+        self._held.clear()
+        with contextlib.suppress(Exception):  # best effort: unreleased leases lapse on their own
+            await self.stream.release(self.name, held)
+
+    async def idle(self) -> None:
+        """Wait until every lane has emptied (tests and benchmarks; bounded by the caller)."""
+        while True:
+            tasks = [lane.task for lane in self._lanes.values() if lane.task is not None]
+            if not tasks:
+                return
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def owns(self, partition: int) -> bool:
+        """Whether this relay may still act on ``partition``: its lease was confirmed recently enough that
+        it cannot have lapsed (a margin of a fifth of the lease for the time a read or a call takes)."""
+        confirmed = self._held.get(partition)
+        return confirmed is not None and self.clock.now() - confirmed < self.config.lease_ms * 0.8 / 1000
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "claimed": self.claimed,
+            "partitions": sorted(self._held),
+            "live": list(self.live),
+            "lanes": len(self._lanes),
+            "queued": self._queued,
+            "outages": self._outage.outages,
+            "failed": self.failed,
+            **self.counts,
+        }
+
+    # ------------------------------------------------------------------ leases
+
+    async def _refresh(self) -> int:
+        """Beat, work out our partitions, hold their leases, give back the others, take over new ones."""
+        ttl = self.config.lease_ms
+        asked_at = self.clock.now()
+        self.live = await self.stream.beat(self.name, ttl)
+        wanted = [p for p in range(self.stream.partitions) if owner_of(p, self.live) == self.name]
+        held = await self.stream.hold(self.name, wanted, ttl)
+        unwanted = sorted(set(self._held) - set(wanted))
+        lost = sorted(set(self._held) - held)
+        for p in set(unwanted) | set(lost):
+            self._forget(p)
+        if unwanted:
+            await self.stream.release(self.name, unwanted)
+        queued = 0
+        for p in sorted(held):
+            self._held[p] = asked_at  # confirmed as of when we asked (conservative)
+            if p not in self._reading:
+                queued += await self._take_over(p)
+                self._reading.add(p)
+        return queued
+
+    async def _take_over(self, partition: int) -> int:
+        """Claim every entry still pending on ``partition`` (a dead relay's, or our own from before a
+        restart) and queue them, in stream order, before any new entry of it is read."""
+        cursor = "0-0"
+        taken = 0
+        while True:
+            claimed = await self.stream.claim_stale(
+                self.config.group,
+                self.name,
+                partition=partition,
+                min_idle_ms=0,
+                count=self.config.batch,
+                start_id=cursor,
             )
-        except Exception as e:  # the actor did not answer: leave pending, XAUTOCLAIM retries
-            log.warning(
-                "%s: delivering %s to %s failed: %r", self.name, delivery.entry_id, message.trajectory_id, e
-            )
-            return HandleResult.RETRY
-        if answer in ("recorded", "duplicate"):
-            return HandleResult.DELIVERED
-        if answer == UNKNOWN:
-            await self._audit(
-                AuditReason.UNKNOWN_TRAJECTORY, "no such trajectory", delivery.entry_id, message
-            )
+            for entry_id in claimed.deleted_ids:
+                # Redis dropped these from the PEL itself: nothing to deliver or ack, but say so
+                await self._audit(AuditReason.TRIMMED, "pending entry was trimmed before delivery", entry_id)
+            self._enqueue(claimed.deliveries)
+            taken += len(claimed.deliveries)
+            cursor = claimed.next_start_id
+            if cursor == "0-0" or not claimed.deliveries:
+                break
+        self.claimed += taken
+        return taken
+
+    def _forget(self, partition: int) -> None:
+        """Stop acting on a partition we no longer hold: its queued entries are the next holder's now."""
+        self._held.pop(partition, None)
+        self._reading.discard(partition)
+        for lane in self._lanes.values():
+            self._drop(lane, partition)
+
+    def _drop(self, lane: _Lane, partition: int, *, keep_head: bool = True) -> None:
+        # The head may be mid-delivery; its lane drops it after the call if the partition is gone.
+        head = lane.items[0] if keep_head and lane.items and lane.task is not None else None
+        kept = [d for d in lane.items if d is head or d.partition != partition]
+        self._queued -= len(lane.items) - len(kept)
+        lane.items = collections.deque(kept)
+
+    def _drop_all(self) -> None:
+        for p in list(self._held):
+            self._forget(p)
+
+    # ------------------------------------------------------------------ lanes
+
+    def _enqueue(self, deliveries: list[RelayDelivery]) -> None:
+        for d in deliveries:
+            key = self._lane_of(d)
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane(
+                    backoff=Backoff(self.config.retry_base_s, self.config.retry_max_s)
+                )
+            if any(item.entry_id == d.entry_id and item.partition == d.partition for item in lane.items):
+                continue  # already queued (claimed again after a brief lease gap)
+            lane.items.append(d)
+            self._queued += 1
+            if lane.task is None or lane.task.done():
+                lane.task = asyncio.ensure_future(self._serve(key, lane))
+
+    def _lane_of(self, delivery: RelayDelivery) -> str:
+        """One lane per trajectory (an entry without a message gets a lane of its own)."""
+        if delivery.envelope is not None:
+            return delivery.envelope.trajectory_id
+        return f"(entry {delivery.partition}/{delivery.entry_id})"
+
+    async def _serve(self, key: str, lane: _Lane) -> None:
+        """Deliver a lane's entries one at a time, in order; a failed one is retried in place."""
+        handled: RelayDelivery | None = None  # the head, once answered (only its ack is left to retry)
+        try:
+            while lane.items and not self._stopping.is_set():
+                item = lane.items[0]
+                if not self.owns(item.partition):
+                    lane.items.popleft()
+                    self._queued -= 1
+                    continue
+                if handled is not item:
+                    result = await self._handle(item)
+                    self.counts[result.value] += 1
+                    if result is HandleResult.RETRY:
+                        await self._pause(lane.backoff.next())
+                        continue
+                    handled = item
+                if not await self._ack(item):
+                    await self._pause(lane.backoff.next())
+                    continue
+                lane.backoff.reset()
+                if lane.items and lane.items[0] is item:
+                    lane.items.popleft()
+                    self._queued -= 1
+        finally:
+            if self._lanes.get(key) is lane and (not lane.items or self._stopping.is_set()):
+                del self._lanes[key]
+
+    async def _ack(self, item: RelayDelivery) -> bool:
+        try:
+            await self.stream.ack(self.config.group, item.partition, item.entry_id)
+        except Exception as e:  # Redis away: keep the entry and ack it after the lane's backoff
+            log.warning("%s: acking %s failed: %r", self.name, item.entry_id, e)
+            return False
+        return True
+
+    async def _handle(self, item: RelayDelivery) -> HandleResult:
+        """Deliver one entry and audit anything but a recorded message; RETRY when the trajectory (or the
+        audit stream) could not be reached."""
+        message = item.envelope
+        try:
+            if message is None:
+                reason = item.problem or AuditReason.MALFORMED
+                await self._audit(reason, str(item.error), item.entry_id)
+                return HandleResult.AUDITED
+            try:
+                answer = await self.targets.deliver(message)
+            except Exception as e:
+                log.warning(
+                    "%s: delivering %s to %s failed: %r", self.name, item.entry_id, message.trajectory_id, e
+                )
+                return HandleResult.RETRY
+            if answer == "recorded":
+                return HandleResult.DELIVERED
+            if answer == "duplicate":
+                await self._audit(AuditReason.DUPLICATE, "already recorded", item.entry_id, message)
+                return HandleResult.DUPLICATE
+            if answer == UNKNOWN:
+                await self._audit(
+                    AuditReason.UNKNOWN_TRAJECTORY, "no such trajectory", item.entry_id, message
+                )
+            elif answer == TERMINAL:
+                await self._audit(
+                    AuditReason.TRAJECTORY_TERMINAL, "the trajectory has ended", item.entry_id, message
+                )
+            else:  # "rejected:<REASON>[:detail]" (or any answer we do not know): keep the reason on file
+                _, _, rest = answer.partition(":")
+                reason = rest.partition(":")[0] or answer
+                await self._audit(reason, answer, item.entry_id, message)
             return HandleResult.AUDITED
-        # "rejected:<REASON>" (or any answer we do not know): the actor refused it; keep the reason on file
-        await self._audit(
-            f"{AuditReason.REJECTED}:{answer.partition(':')[2] or answer}", answer, delivery.entry_id, message
-        )
-        return HandleResult.AUDITED
+        except Exception as e:  # the audit could not be written (Redis away): try the entry again later
+            log.warning("%s: auditing %s failed: %r", self.name, item.entry_id, e)
+            return HandleResult.RETRY
 
     async def _audit(
         self, reason: str, detail: str, entry_id: str, message: ControlEnvelope | None = None
     ) -> None:
         entry = AuditEntry(
             reason=str(reason),
-            detail=detail,
+            detail=detail[:500],
             entry_id=entry_id,
             relay=self.name,
             at=self.clock.wall(),
@@ -263,236 +468,14 @@ class Relay:
         )
         await self.audit.write(entry)
 
-    async def run_forever(self) -> None:
-        """Loop until ``stop()``; a failing step (Redis away) backs off and retries instead of dying."""
-        await self.start()
-        while not self._stopping.is_set():
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("%s: relay step failed, retrying: %r", self.name, e)
-                await self.clock.sleep(self.config.error_backoff_s)
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "claimed": self.claimed, **self.counts}
-
-
-# --------------------------------------------------------------------------- Redis + Ray adapters
-
-
-LaunchLoader = Callable[[str], Awaitable[Any | None]]
-ActorFactory = Callable[[Any], Any]
-
-
-@dataclass
-class RayTrajectoryDirectory:
-    """Finds (or wakes) ``traj:<id>`` and calls its ``deliver``.
-
-    ``load_launch`` / ``ensure_actor`` come from ``actors.trajectory``; they are passed in so this module
-    does not import the trajectory actor (and tests can stand in for it).
-
-    An actor that is exiting to hibernate refuses deliveries ("deliver again"); its name stays taken until
-    the process is gone. The directory then re-looks the name up for up to ``wake_wait_s`` and delivers to
-    the re-created actor, so waking a trajectory does not wait for a whole ``XAUTOCLAIM`` round.
-    """
-
-    load_launch: LaunchLoader
-    ensure_actor: ActorFactory
-    namespace: str = NAMESPACE
-    wake_wait_s: float = 5.0
-    retry_every_s: float = 0.05
-    woken: int = 0
-
-    def _lookup(self, trajectory_id: str) -> Any | None:
-        import ray
-
+    async def _pause(self, seconds: float) -> None:
+        """Sleep on the injected clock, but wake at once on ``stop()``."""
+        if self._stopping.is_set():
+            return
+        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
+        stopper = asyncio.ensure_future(self._stopping.wait())
         try:
-            return ray.get_actor(f"traj:{trajectory_id}", namespace=self.namespace)
-        except ValueError:
-            return None
-
-    async def deliver(self, trajectory_id: str, data: bytes) -> str:
-        import ray.exceptions
-
-        deadline = time.monotonic() + self.wake_wait_s
-        while True:
-            handle = self._lookup(trajectory_id)
-            woke = False
-            if handle is None:
-                launch = await self.load_launch(trajectory_id)
-                if launch is None:
-                    return UNKNOWN
-                handle = self.ensure_actor(launch)
-                woke = True
-            try:
-                answer = str(await handle.deliver.remote(data))
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                # died between lookup and call, or exiting to hibernate: look again until the wait is over
-                if time.monotonic() >= deadline:
-                    raise TargetGone(
-                        f"traj:{trajectory_id} did not take the message: {e}", scope="trajectory"
-                    ) from e
-                await asyncio.sleep(self.retry_every_s)
-                continue
-            if woke:
-                self.woken += 1
-                # Fire and forget: run() lasts as long as the trajectory (a recorded message already restarts
-                # the loop; this covers a woken actor whose message was a duplicate).
-                handle.run.remote()
-            return answer
-
-
-def _default_directory(redis_url: str, adapters: ClusterPorts) -> RayTrajectoryDirectory:
-    # imported late: the trajectory actor module is only needed where relays actually run
-    trajectory = importlib.import_module("actors.trajectory")
-
-    async def load(trajectory_id: str) -> Any | None:
-        # load_launch is a blocking Redis GET: keep it off the relay's event loop
-        return await asyncio.to_thread(trajectory.load_launch, redis_url, trajectory_id)
-
-    def ensure(launch: Any) -> Any:
-        return trajectory.ensure_actor(launch, adapters)
-
-    return RayTrajectoryDirectory(load_launch=load, ensure_actor=ensure)
-
-
-class RelayActor:
-    """Ray shell around ``Relay`` (async actor, ``num_cpus=0``). The loop starts on the first call to
-    ``start()`` and runs until ``stop()`` or the actor is killed. ``adapters`` supplies the control stream
-    and the audit sink (``cluster.adapters.ClusterAdapters``), and is handed on to woken trajectories."""
-
-    def __init__(
-        self,
-        name: str,
-        redis_url: str,
-        adapters: ClusterPorts,
-        config: dict[str, Any] | None = None,
-        directory: Any | None = None,
-    ) -> None:
-        self._name = name
-        self._redis_url = redis_url
-        self._adapters = adapters
-        self._config = RelayConfig.model_validate(config or {})
-        self._directory = directory
-        self._relay: Relay | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._stream: RelayStream | None = None
-        self._audit: AuditSink | None = None
-
-    async def start(self) -> bool:
-        """Start the loop (idempotent); True once the group exists and the loop runs."""
-        if self._task is not None and not self._task.done():
-            return True
-        self._stream = self._adapters.relay_stream(self._redis_url)
-        self._audit = self._adapters.audit_sink(self._redis_url, self._config.audit_maxlen)
-        directory = self._directory or _default_directory(self._redis_url, self._adapters)
-        self._relay = Relay(self._name, self._stream, directory, self._audit, self._config)
-        await self._relay.start()
-        self._task = asyncio.get_running_loop().create_task(self._relay.run_forever())
-        return True
-
-    async def stop(self) -> dict[str, Any]:
-        """Stop after the current step (bounded by ``block_ms``); returns the final counters."""
-        if self._relay is not None:
-            self._relay.stop()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._task, self._config.block_ms / 1000 + 5.0)
-        for closer in (self._stream, self._audit):
-            if closer is not None:
-                with contextlib.suppress(Exception):  # best effort: the connection may already be gone
-                    await closer.close()
-        self._stream = None
-        self._audit = None
-        return self.stats()
-
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self._relay.stats() if self._relay is not None else {"name": self._name}
-        stats["running"] = self._task is not None and not self._task.done()
-        return stats
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def start_relays(
-    redis_url: str,
-    n: int = 1,
-    *,
-    adapters: ClusterPorts,
-    config: RelayConfig | Mapping[str, Any] | None = None,
-    first: int = 0,
-    directory: Any | None = None,
-) -> list[Any]:
-    """Start (or find) ``relay:<first>`` .. ``relay:<first+n-1>`` and return their handles once running.
-
-    Needs ``ray.init`` done. ``adapters`` is the cluster layer's implementation of ``actors.ports``
-    (``cluster.adapters.ClusterAdapters()``). ``directory`` replaces the trajectory lookup (tests); by
-    default each relay resolves ``traj:<id>`` and wakes hibernated trajectories through ``actors.trajectory``.
-    """
-    import ray
-
-    if n < 1:
-        raise ValueError(f"need at least one relay, got n={n}")
-    cfg = config if isinstance(config, RelayConfig) else RelayConfig.model_validate(dict(config or {}))
-    remote: Any = ray.remote(RelayActor)
-
-    def create(i: int) -> Any:
-        return remote.options(
-            name=relay_name(i),
-            namespace=NAMESPACE,
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=1000,
-            lifetime=None,
-        ).remote(relay_name(i), redis_url, adapters, cfg.model_dump(), directory)
-
-    handles = [create(i) for i in range(first, first + n)]
-    for attempt in (1, 2):
-        try:
-            ray.get([h.start.remote() for h in handles])
-            return handles
-        except ray.exceptions.ActorDiedError as e:
-            # A relay is replaceable by design (its pending messages are claimed by whoever runs next);
-            # one that died before it ever started is simply created again, once.
-            if attempt == 2:
-                raise
-            log.warning("a relay died before starting (%s); creating it again", e)
-            handles = [create(i) for i in range(first, first + n)]
-    return handles
-
-
-def stop_relays(handles: list[Any], *, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """Stop relays gracefully and return their counters (kill them if they do not answer)."""
-    import ray
-
-    out: list[dict[str, Any]] = []
-    for h in handles:
-        try:
-            out.append(ray.get(h.stop.remote(), timeout=timeout_s))
-        except Exception as e:  # already dead, or stuck: make sure it is gone
-            out.append({"error": repr(e)})
-        with contextlib.suppress(Exception):
-            ray.kill(h)
-    # Wait (bounded) until the names are free: a start_relays right after this must create new relays,
-    # not find the dying ones through get_if_exists.
-    names = [str(stats.get("name")) for stats in out if stats.get("name")]
-    give_up = time.monotonic() + timeout_s
-    while names and time.monotonic() < give_up:
-        names = [n for n in names if _actor_exists(ray, n)]
-        if names:
-            time.sleep(0.05)
-    return out
-
-
-def _actor_exists(ray: Any, name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
+            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (sleeper, stopper):
+                t.cancel()

@@ -1,0 +1,482 @@
+"""Reaching a trajectory: resolve it to a live incarnation of its actor, waking it when it is gone.
+
+A trajectory's actor ``traj:<id>`` may be alive; exiting to hibernate (it refuses calls for a moment); not
+yet placed on a node (no room); gone while its name is still registered (Ray keeps a dead named actor's
+name for as long as any owner holds a handle to it: the ``tether run`` driver used to, so relays kept
+calling the dead actor and no parked trajectory was ever woken, issue 16); gone altogether (hibernated,
+crashed for good, or its owner died); or finished for good (terminal). ``Incarnations.call`` handles every
+case the same way for the relays (``deliver``) and the timer service (``fire_timer``):
+
+- a live actor is called;
+- a dead one is killed by handle (which frees its name whoever pins it) and replaced;
+- a missing one is re-created from its stored launch (``actors.launch``), unless it never existed
+  (``UNKNOWN``) or its status shows it ended (``TERMINAL``): an ended trajectory never costs a process;
+- waking is admission-controlled: the re-created actor asks Ray for a ``tether_trajectory`` slot and waits
+  for one (the autoscaler sees that demand); where the cluster declares no such slots, a ``WakeGate``
+  admits at most a memory-derived number of woken trajectories per process, first come first served.
+
+The Ray calls go through ``ActorRuntime`` (``RayActors`` in production), so the rules are unit-tested with
+an in-memory stand-in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+from runtime.clock import Clock, SystemClock
+from runtime.errors import DependencyError
+from runtime.states import TERMINAL_STATES
+
+__all__ = [
+    "NAMESPACE",
+    "TRAJECTORY_ACTOR_BYTES",
+    "TRAJECTORY_RESOURCE",
+    "ActorBusy",
+    "ActorGone",
+    "ActorRuntime",
+    "Incarnations",
+    "RayActors",
+    "Reach",
+    "Reached",
+    "RedisTrajectories",
+    "TargetGone",
+    "TrajectoryInfo",
+    "WakeGate",
+    "default_trajectory_slots",
+    "memory_available_bytes",
+    "ray_incarnations",
+    "ray_wake_gate",
+]
+
+NAMESPACE = "tether"
+TRAJECTORY_RESOURCE = "tether_trajectory"
+# What one trajectory actor process costs (resident, measured: ~155 MB with its ports built); the unit
+# the default number of trajectory slots per node is derived from.
+TRAJECTORY_ACTOR_BYTES = 155 * 2**20
+SLOTS_ENV = "TETHER_TRAJECTORY_SLOTS"
+_log = logging.getLogger(__name__)
+
+
+class ActorGone(Exception):
+    """The actor is dead for good (exited, killed, or its owner died): replace it."""
+
+
+class ActorBusy(Exception):
+    """The actor refused the call for now (exiting to hibernate, restarting): call again shortly."""
+
+
+class TargetGone(DependencyError):
+    """The trajectory could not be reached this time (not placed yet, or unanswering); try again later."""
+
+
+class ActorRuntime(Protocol):
+    """The actor operations ``Incarnations`` needs (``RayActors`` over Ray; a fake in unit tests)."""
+
+    def lookup(self, trajectory_id: str) -> Any | None:
+        """The handle registered under the trajectory's actor name, alive or not; None when free."""
+        ...
+
+    def create(self, launch: Any) -> Any:
+        """Create the actor from its launch (or get the one that now holds the name)."""
+        ...
+
+    def kill(self, handle: Any) -> None:
+        """Kill this incarnation for good (frees its name); no error if it is gone already."""
+        ...
+
+    async def ready(self, handle: Any) -> None:
+        """Return once the actor is placed and constructed; ``ActorGone`` if it never will be."""
+        ...
+
+    async def call(self, handle: Any, method: str, *args: Any) -> Any:
+        """Call ``method``; ``ActorGone`` / ``ActorBusy`` as above."""
+        ...
+
+    async def run(self, handle: Any) -> None:
+        """Run the trajectory on (``run()``) until it ends or hibernates again."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryInfo:
+    """What waking needs: the stored launch and the last state the status snapshot showed ("" if none)."""
+
+    launch: Any
+    state: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in {s.value for s in TERMINAL_STATES}
+
+
+InfoLoader = Callable[[str], Awaitable[TrajectoryInfo | None]]
+
+
+class Reach(StrEnum):
+    """How a call to a trajectory ended."""
+
+    CALLED = "called"  # a live incarnation answered (``Reached.value``)
+    UNKNOWN = "unknown"  # never launched: no launch record
+    TERMINAL = "terminal"  # ended for good; not woken
+    NOT_LIVE = "not_live"  # no live incarnation, and the caller asked not to wake one
+
+
+@dataclass(frozen=True, slots=True)
+class Reached:
+    reach: Reach
+    value: Any = None
+    woke: bool = False
+
+
+class WakeGate:
+    """At most ``capacity`` trajectories woken (and still running) at once; the rest wait in arrival order.
+
+    ``capacity=None`` admits everyone: the cluster's own ``tether_trajectory`` slots do the admission.
+    """
+
+    def __init__(self, capacity: int | None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"wake capacity must be >= 1 (or None), got {capacity}")
+        self.capacity = capacity
+        self.in_use = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def acquire(self) -> None:
+        if self.capacity is None or (self.in_use < self.capacity and not self.waiting):
+            self.in_use += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # release() hands its slot straight to us
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # we were handed a slot just as we were cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot moves to the next in line; in_use is unchanged
+                return
+        self.in_use = max(0, self.in_use - 1)
+
+
+class Incarnations:
+    """Calls a trajectory's actor, waking or replacing it as needed (see the module docstring)."""
+
+    def __init__(
+        self,
+        runtime: ActorRuntime,
+        load: InfoLoader,
+        *,
+        gate: WakeGate | None = None,
+        clock: Clock | None = None,
+        call_timeout_s: float = 30.0,
+        wake_wait_s: float = 600.0,
+        busy_wait_s: float = 10.0,
+        retry_every_s: float = 0.05,
+        max_replacements: int = 3,
+    ) -> None:
+        self.runtime = runtime
+        self.load = load
+        self.gate = gate or WakeGate(None)
+        self.clock = clock or SystemClock()
+        self.call_timeout_s = call_timeout_s
+        self.wake_wait_s = wake_wait_s
+        self.busy_wait_s = busy_wait_s
+        self.retry_every_s = retry_every_s
+        self.max_replacements = max_replacements
+        self.woken = 0  # incarnations this process created
+        self.replaced = 0  # dead incarnations it killed to free their name
+        self.running: dict[str, asyncio.Task[None]] = {}  # woken here, run() not over yet (holds the handle)
+        self._unplaced: set[str] = set()  # last call timed out: wait for placement before calling again
+
+    async def call(self, trajectory_id: str, method: str, *args: Any, wake: bool = True) -> Reached:
+        """Call ``method(*args)`` on a live incarnation of the trajectory, waking one if ``wake``.
+
+        Raises ``TargetGone`` when it could not be reached this time (the caller retries later).
+        """
+        busy_until = self.clock.now() + self.busy_wait_s
+        replacements = 0
+        while True:
+            handle = self.runtime.lookup(trajectory_id)
+            woke = False
+            if handle is None:
+                if not wake:
+                    return Reached(Reach.NOT_LIVE)
+                info = await self.load(trajectory_id)
+                if info is None:
+                    return Reached(Reach.UNKNOWN)
+                if info.terminal:
+                    return Reached(Reach.TERMINAL)
+                handle = await self._wake(trajectory_id, info)
+                woke = True
+            if woke or trajectory_id in self._unplaced:
+                await self._placed(trajectory_id, handle)
+            try:
+                value = await asyncio.wait_for(self.runtime.call(handle, method, *args), self.call_timeout_s)
+            except ActorGone:
+                # Dead for good, yet its name may still be registered (someone pins it with a handle):
+                # killing it by handle frees the name, so the next lookup misses and we wake a new one.
+                self.runtime.kill(handle)
+                self.replaced += 1
+                replacements += 1
+                if replacements > self.max_replacements:
+                    raise TargetGone(
+                        f"traj:{trajectory_id} died {replacements} times in a row", scope="trajectory"
+                    ) from None
+                if not wake:
+                    return Reached(Reach.NOT_LIVE)
+                continue
+            except ActorBusy as e:
+                if self.clock.now() >= busy_until:
+                    raise TargetGone(f"traj:{trajectory_id} kept refusing: {e}", scope="trajectory") from e
+                await self.clock.sleep(self.retry_every_s)
+                continue
+            except TimeoutError as e:
+                self._unplaced.add(trajectory_id)  # not placed yet, or wedged: next time wait for it first
+                raise TargetGone(
+                    f"traj:{trajectory_id} did not answer {method} within {self.call_timeout_s:.0f}s",
+                    scope="trajectory",
+                ) from e
+            self._unplaced.discard(trajectory_id)
+            return Reached(Reach.CALLED, value, woke=woke)
+
+    async def _wake(self, trajectory_id: str, info: TrajectoryInfo) -> Any:
+        """Create the actor from its launch once the gate admits it, and keep it running."""
+        await self.gate.acquire()
+        try:
+            handle = self.runtime.create(info.launch)
+        except BaseException:
+            self.gate.release()
+            raise
+        self.woken += 1
+        # The task holds the handle while run() lasts (an actor nobody holds a handle to is collected) and
+        # lets go when it ends or hibernates again, so a dead incarnation is never pinned from here.
+        task = asyncio.ensure_future(self._keep_running(trajectory_id, handle))
+        self.running[trajectory_id] = task
+        return handle
+
+    async def _keep_running(self, trajectory_id: str, handle: Any) -> None:
+        try:
+            await self.runtime.run(handle)
+        except Exception as e:  # it died or hibernated; whoever calls next wakes it again
+            _log.debug("woken traj:%s stopped running: %r", trajectory_id, e)
+        finally:
+            self.gate.release()
+            if self.running.get(trajectory_id) is asyncio.current_task():
+                del self.running[trajectory_id]
+
+    async def _placed(self, trajectory_id: str, handle: Any) -> None:
+        """Wait until the actor is placed (it waits for a free trajectory slot: admission)."""
+        try:
+            await asyncio.wait_for(self.runtime.ready(handle), self.wake_wait_s)
+        except TimeoutError as e:
+            self._unplaced.add(trajectory_id)
+            raise TargetGone(
+                f"traj:{trajectory_id} was not placed within {self.wake_wait_s:.0f}s (no free trajectory "
+                "slot)",
+                scope="trajectory",
+            ) from e
+        except ActorGone:
+            return  # the call below finds it dead and replaces it
+        self._unplaced.discard(trajectory_id)
+
+    async def close(self) -> None:
+        """Stop holding woken actors (they are collected once nobody else holds them)."""
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.running.clear()
+
+
+# --------------------------------------------------------------------------- sizing
+
+
+def memory_available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_trajectory_slots(
+    available_bytes: int | None = None, *, env: dict[str, str] | None = None, reserve_fraction: float = 0.2
+) -> int:
+    """How many trajectory actors a node has room for: ``$TETHER_TRAJECTORY_SLOTS`` when set, else its
+    available memory less a reserve (Ray's own processes, Redis, the driver) at ``TRAJECTORY_ACTOR_BYTES``
+    each; at least one."""
+    env = dict(os.environ) if env is None else env
+    raw = env.get(SLOTS_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{SLOTS_ENV} must be a positive integer, got {raw!r}")
+        return value
+    available = memory_available_bytes() if available_bytes is None else available_bytes
+    if available is None:
+        return 8  # no /proc: a small, safe default
+    usable = available * (1.0 - reserve_fraction)
+    return max(1, int(usable // TRAJECTORY_ACTOR_BYTES))
+
+
+# --------------------------------------------------------------------------- over Ray
+
+
+class RayActors:
+    """``ActorRuntime`` over Ray: trajectory actors are named ``traj:<id>`` in namespace ``tether``.
+
+    ``ensure_actor`` is ``actors.trajectory.ensure_actor`` bound to the cluster's ports (passed in so this
+    module does not import the trajectory actor, and tests can stand in for it).
+    """
+
+    def __init__(self, ensure_actor: Callable[[Any], Any], namespace: str = NAMESPACE) -> None:
+        self.ensure_actor = ensure_actor
+        self.namespace = namespace
+
+    def lookup(self, trajectory_id: str) -> Any | None:
+        import ray
+
+        try:
+            return ray.get_actor(f"traj:{trajectory_id}", namespace=self.namespace)
+        except ValueError:
+            return None
+
+    def create(self, launch: Any) -> Any:
+        return self.ensure_actor(launch)
+
+    def kill(self, handle: Any) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):  # gone already: nothing to free
+            ray.kill(handle, no_restart=True)
+
+    async def ready(self, handle: Any) -> None:
+        import ray.exceptions
+
+        try:
+            await handle.__ray_ready__.remote()
+        except ray.exceptions.RayActorError as e:
+            raise ActorGone(str(e)) from e
+
+    async def call(self, handle: Any, method: str, *args: Any) -> Any:
+        import ray.exceptions
+
+        try:
+            return await getattr(handle, method).remote(*args)
+        except ray.exceptions.ActorUnavailableError as e:  # restarting after a crash: it comes back
+            raise ActorBusy(str(e)) from e
+        except ray.exceptions.RayActorError as e:  # ActorDiedError and kin: dead for good
+            raise ActorGone(str(e)) from e
+        except ray.exceptions.RayTaskError as e:  # the method raised (e.g. "hibernating; deliver again")
+            raise ActorBusy(str(e.cause) if e.cause is not None else str(e)) from e
+
+    async def run(self, handle: Any) -> None:
+        await handle.run.remote()
+
+
+# --------------------------------------------------------------------------- over Redis
+
+
+class RedisTrajectories:
+    """What the relays and the timer service read about a trajectory: its launch record (cached for
+    ``cache_s``: a launch is configuration, rewritten only by a new run of the same id) and the state its
+    status snapshot shows (read fresh each time)."""
+
+    def __init__(
+        self, redis_url: str, *, cache_s: float = 60.0, cache_size: int = 4096, clock: Clock | None = None
+    ) -> None:
+        import redis.asyncio as aioredis
+
+        self._client = aioredis.Redis.from_url(redis_url, socket_timeout=10.0, socket_connect_timeout=10.0)
+        self._cache: collections.OrderedDict[str, tuple[float, Any]] = collections.OrderedDict()
+        self._cache_s = cache_s
+        self._cache_size = cache_size
+        self._clock = clock or SystemClock()
+
+    async def launch(self, trajectory_id: str) -> Any | None:
+        """The stored ``TrajectoryLaunch``, or None when it was never launched (``CodecError`` if corrupt)."""
+        from actors.launch import TrajectoryLaunch, launch_key
+
+        now = self._clock.now()
+        hit = self._cache.get(trajectory_id)
+        if hit is not None and now - hit[0] < self._cache_s:
+            self._cache.move_to_end(trajectory_id)
+            return hit[1]
+        key = launch_key(trajectory_id)
+        raw = await self._client.get(key)
+        if raw is None:
+            return None
+        launch = TrajectoryLaunch.from_json(raw, where=key)
+        self._cache[trajectory_id] = (now, launch)
+        self._cache.move_to_end(trajectory_id)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return launch
+
+    async def info(self, trajectory_id: str) -> TrajectoryInfo | None:
+        """Launch and last shown state, or None when the trajectory was never launched."""
+        from actors.status import status_key
+
+        launch = await self.launch(trajectory_id)
+        if launch is None:
+            return None
+        state = await self._client.hget(status_key(trajectory_id), "state")
+        text = state.decode() if isinstance(state, bytes) else (state or "")
+        return TrajectoryInfo(launch, text)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def ray_wake_gate() -> WakeGate:
+    """The wake admission of a process on this Ray cluster: none of its own when some node declares
+    ``tether_trajectory`` slots (Ray admits woken actors into free slots, and the autoscaler sees the ones
+    waiting), else a gate sized from the cluster's memory at ``TRAJECTORY_ACTOR_BYTES`` per trajectory."""
+    import ray
+
+    resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    if resources.get(TRAJECTORY_RESOURCE, 0) > 0:
+        return WakeGate(None)
+    memory = float(resources.get("memory", 0.0))
+    return WakeGate(max(1, int(memory // TRAJECTORY_ACTOR_BYTES)))
+
+
+def ray_incarnations(redis_url: str, adapters: Any, **options: Any) -> tuple[Incarnations, RedisTrajectories]:
+    """``Incarnations`` of the real trajectory actors (``actors.trajectory``) on this Ray cluster, woken
+    from their launch records in ``redis_url`` with ``adapters`` (``cluster.adapters.ClusterAdapters``)."""
+    import importlib
+
+    trajectory = importlib.import_module("actors.trajectory")  # late: only where trajectories are reached
+    store = RedisTrajectories(redis_url)
+
+    def ensure(launch: Any) -> Any:
+        return trajectory.ensure_actor(launch, adapters)
+
+    incarnations = Incarnations(RayActors(ensure), store.info, gate=ray_wake_gate(), **options)
+    return incarnations, store
