@@ -1,12 +1,14 @@
 """In-memory stand-ins for the relay's ports: a partitioned consumer-group stream with leases and
-membership, trajectory targets, an audit sink."""
+membership, trajectory targets, an audit sink, and an actor runtime for ``actors.incarnation``."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from actors.incarnation import ActorBusy, ActorGone, TrajectoryInfo
 from actors.ports import AuditEntry, ControlEnvelope, RelayClaim, RelayDelivery
 from actors.relay import UNKNOWN
 from cluster.adapters import relay_delivery
@@ -219,3 +221,80 @@ class FakeAudit:
 
     def reasons(self) -> list[str]:
         return [e.reason for e in self.entries]
+
+
+@dataclass(eq=False)
+class FakeActor:
+    tid: str
+    incarnation: int
+    state: str = "alive"  # alive | pending | exiting | dead
+    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    placed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class FakeRuntime:
+    """Names map to incarnations the way Ray's do: a dead actor keeps its name until it is killed (someone
+    pins it with a handle); ``create`` returns whoever holds the name (``get_if_exists``)."""
+
+    names: dict[str, FakeActor] = field(default_factory=dict)
+    created: list[FakeActor] = field(default_factory=list)
+    kill_frees_names: bool = True
+    start_pending: bool = False
+    running: int = 0
+    peak_running: int = 0
+
+    def lookup(self, trajectory_id: str) -> FakeActor | None:
+        return self.names.get(trajectory_id)
+
+    def create(self, launch: Any) -> FakeActor:
+        tid = launch["id"]
+        if tid in self.names:
+            return self.names[tid]
+        actor = FakeActor(tid, len(self.created) + 1, state="pending" if self.start_pending else "alive")
+        if not self.start_pending:
+            actor.placed.set()
+        self.names[tid] = actor
+        self.created.append(actor)
+        return actor
+
+    def kill(self, handle: FakeActor) -> None:
+        handle.state = "dead"
+        handle.ended.set()
+        if self.kill_frees_names and self.names.get(handle.tid) is handle:
+            del self.names[handle.tid]
+
+    async def ready(self, handle: FakeActor) -> None:
+        if handle.state == "dead":
+            raise ActorGone("dead")
+        await handle.placed.wait()
+
+    async def call(self, handle: FakeActor, method: str, *args: Any) -> Any:
+        if handle.state == "dead":
+            raise ActorGone(f"incarnation {handle.incarnation} is dead")
+        if handle.state == "exiting":
+            raise ActorBusy("hibernating; deliver again")
+        handle.calls.append((method, args))
+        return "recorded"
+
+    async def run(self, handle: FakeActor) -> None:
+        self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
+        try:
+            await handle.ended.wait()
+        finally:
+            self.running -= 1
+
+
+@dataclass
+class Launches:
+    infos: dict[str, TrajectoryInfo] = field(default_factory=dict)
+    loads: int = 0
+
+    def add(self, tid: str, state: str = "AWAITING_APPROVAL") -> None:
+        self.infos[tid] = TrajectoryInfo({"id": tid}, state)
+
+    async def __call__(self, tid: str) -> TrajectoryInfo | None:
+        self.loads += 1
+        return self.infos.get(tid)
