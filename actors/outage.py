@@ -86,6 +86,11 @@ class Outage:
     def ongoing(self) -> bool:
         return self.since is not None
 
+    @property
+    def lasted_s(self) -> float:
+        """How long the current outage has lasted (0 when there is none)."""
+        return 0.0 if self.since is None else self.clock.now() - self.since
+
     def ok(self) -> None:
         """A call succeeded: the outage (if any) is over."""
         if self.since is not None:

@@ -285,6 +285,7 @@ class Relay:
             "lanes": len(self._lanes),
             "queued": self._queued,
             "outages": self._outage.outages,
+            "outage_s": round(self._outage.lasted_s, 3),
             "failed": self.failed,
             **self.counts,
         }

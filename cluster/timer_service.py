@@ -199,6 +199,7 @@ class TimerService:
             "claimed": self.claimed,
             "inflight": self._inflight,
             "outages": self._outage.outages,
+            "outage_s": round(self._outage.lasted_s, 3),
             "failed": self.failed,
             **self.counts,
         }
