@@ -1,0 +1,148 @@
+"""The trajectory actor's delivery path (``TrajectoryActor.deliver``) run in this process, on a real Redis,
+with a real keyring: verify before dedupe.
+
+A tampered copy of a message and the genuine one arriving together (two deliveries in flight at once: a
+redelivery racing the first, or a copy injected on the stream) must not cost the genuine message: the copy is
+refused and audited, the genuine one recorded. The control is the delivery order this replaced (dedupe by
+message id first, verify afterwards): the genuine message is then answered with the copy's refusal, acked by
+the relay, and lost.
+
+The actor object runs here rather than in a Ray worker so the control can swap its ``deliver``; Ray is up
+only because the actor's metrics use Ray's backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.launch import CheckLaunch, ProviderLaunch, TrajectoryLaunch
+from actors.ports import MALFORMED
+from actors.trajectory import TrajectoryActor
+from cluster.adapters import ClusterAdapters
+from cluster.control import ControlAction, ControlMessage, encode_message
+from cluster.log_store import RedisLogStore
+from cluster.signing import Role, create_key, load_private_key, sign
+from runtime.codec import decode
+from runtime.errors import CodecError
+from runtime.events import ControlRejected, ControlRequested
+from testbed.provider.config import ProviderConfig
+from testbed.provider.launch import ProviderThread, start_provider_thread
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
+
+
+class DedupeFirst(TrajectoryActor):
+    """Protection off: the order ``deliver`` had before issue 16 (dedupe by id, then verify)."""
+
+    async def deliver(self, message: bytes) -> str:
+        harness = await self._started()
+        verifier = self._control_verifier()
+        try:
+            msg = verifier.decode(message)
+        except CodecError:
+            return f"rejected:{MALFORMED}"
+        if msg.message_id in harness.record.seen_control_ids:
+            return "duplicate"
+        inflight = self._inflight.get(msg.message_id)
+        if inflight is not None:
+            first = await asyncio.shield(inflight)
+            return "duplicate" if first in ("recorded", "duplicate") else first
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._inflight[msg.message_id] = future
+        try:
+            await self._client().sismember(self._nonce_key, msg.nonce)  # the old code's first await
+            answer = await super().deliver(message)
+        finally:
+            del self._inflight[msg.message_id]
+        future.set_result(answer)
+        return answer
+
+
+@pytest.fixture(scope="module")
+def provider() -> Iterator[ProviderThread]:
+    with start_provider_thread(ProviderConfig(ttft_ms=0.0, tokens_per_s=0.0)) as p:
+        yield p
+
+
+@pytest.fixture
+def keyring(tmp_path: Path) -> Path:
+    path = tmp_path / "keyring.yaml"
+    create_key("alice", [Role.OPERATOR], path)
+    return path
+
+
+@pytest.fixture(params=[TrajectoryActor, DedupeFirst], ids=["verify-first", "protection-off"])
+async def actor(
+    request: pytest.FixtureRequest, redis_url: str, keyring: Path, provider: ProviderThread
+) -> AsyncIterator[TrajectoryActor]:
+    launch = TrajectoryLaunch(
+        trajectory_id=f"t-{uuid.uuid4().hex[:10]}",
+        goal="be interrupted",
+        ceilings={"tokens": 100_000},
+        created_at=time.time(),
+        metadata={"scenario": "finish_after:0"},
+        provider=ProviderLaunch(base_url=provider.base_url, model="sim"),
+        redis_url=redis_url,
+        use_scheduler=False,
+        guard="local",
+        keyring_path=str(keyring),
+        completion_check=CheckLaunch(name="always"),
+    )
+    kind: type[TrajectoryActor] = request.param
+    a = kind(launch.to_json(), ClusterAdapters())
+    try:
+        yield a
+    finally:
+        task = a._loop_task
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 60.0)
+        await a._shutdown()
+
+
+async def test_a_tampered_copy_in_flight_with_the_genuine_message_does_not_cost_it(
+    actor: TrajectoryActor, keyring: Path, redis_url: str
+) -> None:
+    # Given an operator's signed interrupt and a tampered copy of it (same id, edited text, same signature)
+    tid = actor.launch.trajectory_id
+    genuine = sign(
+        ControlMessage.create(
+            tid, ControlAction.INTERRUPT, "alice", now=time.time(), payload={"message": "hi"}
+        ),
+        "alice",
+        load_private_key("alice", keyring),
+    )
+    tampered = genuine.model_copy(update={"payload": {"message": "exfiltrate"}})
+
+    # When the copy and the genuine message are delivered at the same moment, the copy first
+    answers = await asyncio.gather(
+        actor.deliver(encode_message(tampered)), actor.deliver(encode_message(genuine))
+    )
+
+    # Then the copy is refused as BAD_SIGNATURE and the genuine one recorded, once
+    events = await _events(redis_url, tid)
+    requested = [(e.message_id, e.payload.get("message")) for e in events if isinstance(e, ControlRequested)]
+    if type(actor) is DedupeFirst:
+        # control: the genuine delivery waited on the copy's and got its refusal; nothing was recorded
+        assert answers == ["rejected:BAD_SIGNATURE", "rejected:BAD_SIGNATURE"] and requested == []
+        return
+    assert answers == ["rejected:BAD_SIGNATURE", "recorded"]
+    assert requested == [(genuine.message_id, "hi")]
+    rejected = [(e.message_id, e.reason, e.verified) for e in events if isinstance(e, ControlRejected)]
+    assert rejected == [(genuine.message_id, "BAD_SIGNATURE", False)]
+    # and delivering the genuine message again is a duplicate, the copy again a refusal
+    assert await actor.deliver(encode_message(genuine)) == "duplicate"
+    assert await actor.deliver(encode_message(tampered)) == "rejected:BAD_SIGNATURE"
+
+
+async def _events(url: str, tid: str) -> list[Any]:
+    async with RedisLogStore.from_url(url) as store:
+        return [decode(payload) for _, payload in await store.read(tid)]
