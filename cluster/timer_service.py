@@ -133,7 +133,7 @@ class TimerService:
         self.target = target
         self.config = config or TimerConfig()
         self.clock = clock or SystemClock()
-        self.counts: dict[str, int] = {k: 0 for k in (FIRED, NOT_DUE, UNKNOWN_TIMER, GONE, "failed")}
+        self.counts: dict[str, int] = {k: 0 for k in (FIRED, NOT_DUE, UNKNOWN_TIMER, GONE, "unreachable")}
         self.claimed = 0
         self.failed: str | None = None
         self._lanes: dict[str, _Lane] = {}
@@ -232,7 +232,7 @@ class TimerService:
         try:
             answer = await self.target.fire(timer.trajectory_id, timer.timer_id)
         except Exception as e:  # not reachable now: the lease lapses and it is claimed again
-            self.counts["failed"] += 1
+            self.counts["unreachable"] += 1
             log.warning("%s: firing %s/%s failed: %r", self.name, timer.trajectory_id, timer.timer_id, e)
             return
         self.counts[answer if answer in self.counts else UNKNOWN_TIMER] += 1
