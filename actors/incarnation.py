@@ -80,24 +80,21 @@ class TargetGone(DependencyError):
 class ActorRuntime(Protocol):
     """The actor operations ``Incarnations`` needs (``RayActors`` over Ray; a fake in unit tests)."""
 
-    def lookup(self, trajectory_id: str) -> Any | None:
+    async def lookup(self, trajectory_id: str) -> Any | None:
         """The handle registered under the trajectory's actor name, alive or not; None when free."""
         ...
 
-    def create(self, launch: Any) -> Any:
+    async def create(self, launch: Any) -> Any:
         """Create the actor from its launch (or get the one that now holds the name)."""
         ...
 
-    def kill(self, handle: Any) -> None:
+    async def kill(self, handle: Any) -> None:
         """Kill this incarnation for good (frees its name); no error if it is gone already."""
         ...
 
-    async def ready(self, handle: Any) -> None:
-        """Return once the actor is placed and constructed; ``ActorGone`` if it never will be."""
-        ...
-
     async def call(self, handle: Any, method: str, *args: Any) -> Any:
-        """Call ``method``; ``ActorGone`` / ``ActorBusy`` as above."""
+        """Call ``method`` (an actor not placed yet takes it once placed); ``ActorGone`` / ``ActorBusy`` as
+        above."""
         ...
 
     async def run(self, handle: Any) -> None:
@@ -213,7 +210,7 @@ class Incarnations:
         busy_until = self.clock.now() + self.busy_wait_s
         replacements = 0
         while True:
-            handle = self.runtime.lookup(trajectory_id)
+            handle = await self.runtime.lookup(trajectory_id)
             woke = False
             if handle is None:
                 if not wake:
@@ -223,16 +220,20 @@ class Incarnations:
                     return Reached(Reach.UNKNOWN)
                 if info.terminal:
                     return Reached(Reach.TERMINAL)
-                handle = await self._wake(trajectory_id, info)
+                handle = await self._wake(info)
                 woke = True
-            if woke or trajectory_id in self._unplaced:
-                await self._placed(trajectory_id, handle)
+            # A woken (or not yet placed) actor takes the call once Ray has placed it in a free trajectory
+            # slot: the call waits in its queue meanwhile, so it is the first thing the actor does.
+            placing = woke or trajectory_id in self._unplaced
+            timeout = self.call_timeout_s + (self.wake_wait_s if placing else 0.0)
             try:
-                value = await asyncio.wait_for(self.runtime.call(handle, method, *args), self.call_timeout_s)
+                value = await asyncio.wait_for(self.runtime.call(handle, method, *args), timeout)
             except ActorGone:
+                if woke:
+                    self.gate.release()
                 # Dead for good, yet its name may still be registered (someone pins it with a handle):
                 # killing it by handle frees the name, so the next lookup misses and we wake a new one.
-                self.runtime.kill(handle)
+                await self.runtime.kill(handle)
                 self.replaced += 1
                 replacements += 1
                 if replacements > self.max_replacements:
@@ -243,33 +244,46 @@ class Incarnations:
                     return Reached(Reach.NOT_LIVE)
                 continue
             except ActorBusy as e:
+                if woke:
+                    self.gate.release()
                 if self.clock.now() >= busy_until:
                     raise TargetGone(f"traj:{trajectory_id} kept refusing: {e}", scope="trajectory") from e
                 await self.clock.sleep(self.retry_every_s)
                 continue
             except TimeoutError as e:
-                self._unplaced.add(trajectory_id)  # not placed yet, or wedged: next time wait for it first
+                self._unplaced.add(trajectory_id)  # next time, give it the placement wait first
+                if woke:
+                    self._hold(trajectory_id, handle)  # keep its place in the queue for a slot
+                what = (
+                    "was not placed (no free trajectory slot) or did not answer"
+                    if placing
+                    else "did not answer"
+                )
                 raise TargetGone(
-                    f"traj:{trajectory_id} did not answer {method} within {self.call_timeout_s:.0f}s",
-                    scope="trajectory",
+                    f"traj:{trajectory_id} {what} {method} within {timeout:.0f}s", scope="trajectory"
                 ) from e
             self._unplaced.discard(trajectory_id)
+            if woke:
+                self._hold(trajectory_id, handle)
             return Reached(Reach.CALLED, value, woke=woke)
 
-    async def _wake(self, trajectory_id: str, info: TrajectoryInfo) -> Any:
-        """Create the actor from its launch once the gate admits it, and keep it running."""
+    async def _wake(self, info: TrajectoryInfo) -> Any:
+        """Create the actor from its launch once the gate admits it (the gate slot is released when the
+        woken incarnation stops running, or at once if the call to it fails)."""
         await self.gate.acquire()
         try:
-            handle = self.runtime.create(info.launch)
+            handle = await self.runtime.create(info.launch)
         except BaseException:
             self.gate.release()
             raise
         self.woken += 1
-        # The task holds the handle while run() lasts (an actor nobody holds a handle to is collected) and
-        # lets go when it ends or hibernates again, so a dead incarnation is never pinned from here.
-        task = asyncio.ensure_future(self._keep_running(trajectory_id, handle))
-        self.running[trajectory_id] = task
         return handle
+
+    def _hold(self, trajectory_id: str, handle: Any) -> None:
+        """Run the woken incarnation on, holding its handle while ``run()`` lasts (an actor nobody holds a
+        handle to is collected) and letting go when it ends or hibernates again, so a dead incarnation is
+        never pinned from here."""
+        self.running[trajectory_id] = asyncio.ensure_future(self._keep_running(trajectory_id, handle))
 
     async def _keep_running(self, trajectory_id: str, handle: Any) -> None:
         try:
@@ -280,21 +294,6 @@ class Incarnations:
             self.gate.release()
             if self.running.get(trajectory_id) is asyncio.current_task():
                 del self.running[trajectory_id]
-
-    async def _placed(self, trajectory_id: str, handle: Any) -> None:
-        """Wait until the actor is placed (it waits for a free trajectory slot: admission)."""
-        try:
-            await asyncio.wait_for(self.runtime.ready(handle), self.wake_wait_s)
-        except TimeoutError as e:
-            self._unplaced.add(trajectory_id)
-            raise TargetGone(
-                f"traj:{trajectory_id} was not placed within {self.wake_wait_s:.0f}s (no free trajectory "
-                "slot)",
-                scope="trajectory",
-            ) from e
-        except ActorGone:
-            return  # the call below finds it dead and replaces it
-        self._unplaced.discard(trajectory_id)
 
     async def close(self) -> None:
         """Stop holding woken actors (they are collected once nobody else holds them)."""
@@ -359,7 +358,13 @@ class RayActors:
         self.ensure_actor = ensure_actor
         self.namespace = namespace
 
-    def lookup(self, trajectory_id: str) -> Any | None:
+    # Ray's name lookups, actor creation and kills are blocking calls to the GCS: they run on a worker thread
+    # so a relay's event loop keeps serving other trajectories' lanes meanwhile.
+
+    async def lookup(self, trajectory_id: str) -> Any | None:
+        return await asyncio.to_thread(self._lookup, trajectory_id)
+
+    def _lookup(self, trajectory_id: str) -> Any | None:
         import ray
 
         try:
@@ -367,22 +372,18 @@ class RayActors:
         except ValueError:
             return None
 
-    def create(self, launch: Any) -> Any:
-        return self.ensure_actor(launch)
+    async def create(self, launch: Any) -> Any:
+        return await asyncio.to_thread(self.ensure_actor, launch)
 
-    def kill(self, handle: Any) -> None:
+    async def kill(self, handle: Any) -> None:
+        await asyncio.to_thread(self._kill, handle)
+
+    @staticmethod
+    def _kill(handle: Any) -> None:
         import ray
 
         with contextlib.suppress(Exception):  # gone already: nothing to free
             ray.kill(handle, no_restart=True)
-
-    async def ready(self, handle: Any) -> None:
-        import ray.exceptions
-
-        try:
-            await handle.__ray_ready__.remote()
-        except ray.exceptions.RayActorError as e:
-            raise ActorGone(str(e)) from e
 
     async def call(self, handle: Any, method: str, *args: Any) -> Any:
         import ray.exceptions

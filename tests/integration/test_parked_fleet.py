@@ -75,7 +75,7 @@ def _relays_keeping_dead_actors(self: Services) -> None:
                     from cluster.adapters import ClusterAdapters
 
                     class Keep(RayActors):
-                        def kill(self, handle: Any) -> None:
+                        async def kill(self, handle: Any) -> None:
                             return None
 
                     store = RedisTrajectories(self.url)

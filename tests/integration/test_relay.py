@@ -207,7 +207,7 @@ def _incarnations(
 class KeepsDeadActors(RayActors):
     """Protection off: a dead incarnation is not killed, so its name stays pinned by whoever holds it."""
 
-    def kill(self, handle: Any) -> None:
+    async def kill(self, handle: Any) -> None:
         return None
 
 

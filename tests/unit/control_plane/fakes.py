@@ -245,10 +245,10 @@ class FakeRuntime:
     running: int = 0
     peak_running: int = 0
 
-    def lookup(self, trajectory_id: str) -> FakeActor | None:
+    async def lookup(self, trajectory_id: str) -> FakeActor | None:
         return self.names.get(trajectory_id)
 
-    def create(self, launch: Any) -> FakeActor:
+    async def create(self, launch: Any) -> FakeActor:
         tid = launch["id"]
         if tid in self.names:
             return self.names[tid]
@@ -259,18 +259,15 @@ class FakeRuntime:
         self.created.append(actor)
         return actor
 
-    def kill(self, handle: FakeActor) -> None:
+    async def kill(self, handle: FakeActor) -> None:
         handle.state = "dead"
         handle.ended.set()
+        handle.placed.set()
         if self.kill_frees_names and self.names.get(handle.tid) is handle:
             del self.names[handle.tid]
 
-    async def ready(self, handle: FakeActor) -> None:
-        if handle.state == "dead":
-            raise ActorGone("dead")
-        await handle.placed.wait()
-
     async def call(self, handle: FakeActor, method: str, *args: Any) -> Any:
+        await handle.placed.wait()  # as Ray: a call to an actor not placed yet waits in its queue
         if handle.state == "dead":
             raise ActorGone(f"incarnation {handle.incarnation} is dead")
         if handle.state == "exiting":

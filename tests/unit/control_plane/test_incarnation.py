@@ -34,7 +34,7 @@ def incarnations(runtime: FakeRuntime, launches: Launches, clock: FakeClock, **k
 async def test_a_live_actor_is_called_without_reading_anything(clock: FakeClock) -> None:
     runtime, launches = FakeRuntime(), Launches()
     launches.add("t-1")
-    live = runtime.create({"id": "t-1"})
+    live = await runtime.create({"id": "t-1"})
     reached = await incarnations(runtime, launches, clock).call("t-1", "deliver", b"m")
     assert (reached.reach, reached.value, reached.woke) == (Reach.CALLED, "recorded", False)
     assert live.calls == [("deliver", (b"m",))] and launches.loads == 0
@@ -65,7 +65,7 @@ async def test_a_dead_actor_pinned_under_its_name_is_killed_and_replaced(
     # Given t-1's actor exited (hibernated) but its name is still registered: someone holds a handle
     runtime, launches = FakeRuntime(kill_frees_names=kill_frees_names), Launches()
     launches.add("t-1")
-    dead = runtime.create({"id": "t-1"})
+    dead = await runtime.create({"id": "t-1"})
     dead.state = "dead"
     inc = incarnations(runtime, launches, clock)
 
@@ -87,7 +87,7 @@ async def test_a_dead_actor_pinned_under_its_name_is_killed_and_replaced(
 async def test_an_exiting_actor_is_called_again_until_its_successor_takes_the_call(clock: FakeClock) -> None:
     runtime, launches = FakeRuntime(), Launches()
     launches.add("t-1")
-    exiting = runtime.create({"id": "t-1"})
+    exiting = await runtime.create({"id": "t-1"})
     exiting.state = "exiting"
     inc = incarnations(runtime, launches, clock)
     call = asyncio.ensure_future(inc.call("t-1", "fire_timer", "expiry-1"))

@@ -95,7 +95,7 @@ async def test_a_message_that_does_not_verify_reaches_only_a_live_incarnation(
     targets, runtime, launches = setup(keyring)
     launches.add("t-live")
     launches.add("t-asleep")
-    live = runtime.create({"id": "t-live"})
+    live = await runtime.create({"id": "t-live"})
     runtime.created.clear()
 
     def bad(tid: str) -> ControlMessage:
