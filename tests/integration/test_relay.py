@@ -343,14 +343,22 @@ async def test_a_dead_relays_partitions_are_taken_over_and_each_message_delivere
     plane: Plane,
 ) -> None:
     # Given a paused trajectory and one relay, blocked in its read of the control partitions
-    config = {"block_ms": 500, "lease_ms": 3_000, "lease_every_s": 0.5}
+    config = {"block_ms": 2_000, "lease_ms": 8_000, "lease_every_s": 1.0}
     plane.relays += start_relays(plane.url, adapters=ClusterAdapters(), n=1, config=config)
     tid = await parked(plane)
-    await eventually(lambda: _blocked_reader(plane.url), "relay:0 to block in XREADGROUP")
 
-    # When the relay is frozen, three interrupts land in its pending list, and then it is killed
+    # When the relay is frozen in its blocked read (caught there: frozen between two reads, it would read
+    # nothing), three interrupts land in its pending list, and then it is killed
     dead = plane.relays[0]
-    os.kill(ray.get(dead.pid.remote()), signal.SIGSTOP)
+    pid = ray.get(dead.pid.remote())
+    for _ in range(20):
+        await eventually(lambda: _blocked_reader(plane.url), "relay:0 to block in XREADGROUP")
+        os.kill(pid, signal.SIGSTOP)
+        if await _blocked_reader(plane.url):
+            break
+        os.kill(pid, signal.SIGCONT)
+    else:
+        raise AssertionError("never caught relay:0 blocked in its read")
     texts = [f"note {i}" for i in range(3)]
     sent = [
         plane.client.build(tid, ControlAction.INTERRUPT, issuer="alice", payload={"message": t})
