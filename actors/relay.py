@@ -24,7 +24,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from actors.incarnation import Incarnations, Reach, RedisTrajectories, TargetGone, ray_incarnations
+from actors.incarnation import Incarnations, Reach, TargetGone
+from actors.incarnation_ray import RedisTrajectories, ray_incarnations
 from actors.ports import AuditSink, ClusterPorts, ControlEnvelope, ControlVerifier, RelayStream
 from actors.relay_loop import (
     AUDIT_STREAM,

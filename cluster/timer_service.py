@@ -32,14 +32,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.incarnation import (
-    Incarnations,
-    RayActors,
-    Reach,
-    RedisTrajectories,
-    ray_incarnations,
-    ray_wake_gate,
-)
+from actors.incarnation import Incarnations, Reach
+from actors.incarnation_ray import RayActors, RedisTrajectories, ray_incarnations, ray_wake_gate
 from actors.outage import Outage, OutageExceeded, is_outage
 from actors.ports import ClusterPorts
 from cluster.timers import ClaimedTimer, RedisTimerStore

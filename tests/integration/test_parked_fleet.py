@@ -69,7 +69,8 @@ def _relays_keeping_dead_actors(self: Services) -> None:
 
             async def deliver(self, envelope: Any) -> str:
                 if self.inner is None:
-                    from actors.incarnation import Incarnations, RayActors, RedisTrajectories, ray_wake_gate
+                    from actors.incarnation import Incarnations
+                    from actors.incarnation_ray import RayActors, RedisTrajectories, ray_wake_gate
                     from actors.relay import TrajectoryTargets
                     from actors.trajectory import ensure_actor
                     from cluster.adapters import ClusterAdapters

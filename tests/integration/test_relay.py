@@ -25,7 +25,8 @@ import pytest
 import ray
 import redis.asyncio as aioredis
 
-from actors.incarnation import Incarnations, RayActors, Reach, RedisTrajectories, TargetGone, ray_wake_gate
+from actors.incarnation import Incarnations, Reach, TargetGone
+from actors.incarnation_ray import RayActors, RedisTrajectories, ray_wake_gate
 from actors.ports import RelayDelivery
 from actors.relay import DEFAULT_GROUP, Relay, RelayConfig, TrajectoryTargets, start_relays, stop_relays
 from actors.trajectory import ensure_actor, load_launch
