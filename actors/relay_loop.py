@@ -296,6 +296,11 @@ class Relay:
         """Beat, work out our partitions, hold their leases, give back the others, take over new ones."""
         ttl = self.config.lease_ms
         asked_at = self.clock.now()
+        # A lease we could not renew in time (Redis away, the process stalled) may have lapsed and been
+        # held by another relay meanwhile, and its lanes have let its entries go: whatever we hold again
+        # is taken over afresh, pending entries first.
+        for p in [p for p in self._held if not self.owns(p)]:
+            self._forget(p)
         self.live = await self.stream.beat(self.name, ttl)
         wanted = [p for p in range(self.stream.partitions) if owner_of(p, self.live) == self.name]
         held = await self.stream.hold(self.name, wanted, ttl)
@@ -333,7 +338,7 @@ class Relay:
             self._enqueue(claimed.deliveries)
             taken += len(claimed.deliveries)
             cursor = claimed.next_start_id
-            if cursor == "0-0" or not claimed.deliveries:
+            if cursor == "0-0":  # the scan wrapped: every pending entry was seen
                 break
         self.claimed += taken
         return taken

@@ -404,3 +404,31 @@ async def _advance_until(clock: FakeClock, until: Callable[[], bool], *, tick_s:
             return
         clock.advance(tick_s)
     raise AssertionError("condition not reached")
+
+
+async def test_entries_dropped_while_a_lease_had_lapsed_are_taken_over_again_when_it_is_back(
+    stream: FakeStream, targets: FakeTargets, audit: FakeAudit, clock: FakeClock
+) -> None:
+    # Given a relay holding every partition, with t-1's message read but not yet deliverable
+    reachable = {"t-1": False}
+    targets.fail = lambda tid: not reachable.get(tid, True)
+    r = relay("relay:0", stream, targets, audit, clock)
+    task = asyncio.ensure_future(r.run_forever())
+    try:
+        await _advance_until(clock, lambda: bool(r.stats()["partitions"]))
+        entry = stream.publish(msg("t-1"))
+        await _advance_until(clock, lambda: targets.calls.get("t-1", 0) >= 1)
+
+        # When Redis is away longer than the lease (the relay can no longer vouch for its partitions and
+        # lets go of what it queued), then comes back, and t-1 becomes reachable
+        stream.down = True
+        await _advance_until(clock, lambda: clock.now() >= 1_030.0)
+        stream.down = False
+        reachable["t-1"] = True
+
+        # Then the relay takes its partitions over again, pending entries included: the message is delivered
+        await _advance_until(clock, lambda: entry in stream.acked)
+        assert targets.records["t-1"] and r.failed is None
+    finally:
+        r.stop()
+        await asyncio.wait_for(task, 5.0)
