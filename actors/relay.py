@@ -99,31 +99,36 @@ class TrajectoryTargets:
             verifier = self._verifiers[keyring_path] = self.adapters.control_verifier(keyring_path)
         return verifier
 
-    async def deliver(self, envelope: ControlEnvelope) -> str:
+    async def deliver(self, envelope: ControlEnvelope, received_at: float | None = None) -> str:
+        """The trajectory's answer to ``envelope``, read by the relay at ``received_at`` (epoch seconds; the
+        time its validity window is judged at; default now)."""
         tid = envelope.trajectory_id
+        when = self.clock.wall() if received_at is None else received_at
         try:
             launch = await self.store.launch(tid)
         except CodecError as e:
             return f"rejected:BAD_LAUNCH:{e}"
         if launch is None:
-            return await self._to_live(envelope, UNKNOWN)
+            return await self._to_live(envelope, when, UNKNOWN)
         try:
             # the launch names the keyring its actor verifies against; check the same one here
-            self._verifier(launch.keyring_path).verify(envelope, self.clock.wall(), _never_seen)
+            self._verifier(launch.keyring_path).verify(envelope, when, _never_seen)
         except (ControlError, CodecError) as e:
             reason = e.reason if isinstance(e, ControlError) else "MALFORMED"
-            return await self._to_live(envelope, f"rejected:{reason}:{e}")
-        reached = await self.incarnations.call(tid, "deliver", envelope.data)
+            return await self._to_live(envelope, when, f"rejected:{reason}:{e}")
+        reached = await self.incarnations.call(tid, "deliver", envelope.data, when)
         if reached.reach is Reach.UNKNOWN:
             return UNKNOWN
         if reached.reach is Reach.TERMINAL:
             return TERMINAL
         return str(reached.value)
 
-    async def _to_live(self, envelope: ControlEnvelope, otherwise: str) -> str:
+    async def _to_live(self, envelope: ControlEnvelope, when: float, otherwise: str) -> str:
         """Hand a message that must not wake anything to a live incarnation (the authority, which audits
         a refusal in its own log), or answer ``otherwise`` when there is none."""
-        reached = await self.incarnations.call(envelope.trajectory_id, "deliver", envelope.data, wake=False)
+        reached = await self.incarnations.call(
+            envelope.trajectory_id, "deliver", envelope.data, when, wake=False
+        )
         if reached.reach is Reach.CALLED:
             return str(reached.value)
         self.refused_here += 1

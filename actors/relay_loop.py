@@ -13,6 +13,9 @@ Issues 4 and 16, "Transport" (and ARCHITECTURE.md, "Control protocol"):
 - **Per-trajectory lanes.** Entries go into one FIFO lane per trajectory, each served by its own task: a
   slow, unplaced or dead trajectory delays only its own later messages, never another's; a failed delivery
   is retried with that lane's own backoff (exponential, full jitter), in place, so the order still holds.
+- **Valid when received.** A message's validity window is judged at the moment the relay read it, not
+  when its lane finally delivers it: an approval that waits minutes for a free trajectory slot (300 parked
+  trajectories approved at once) does not expire in the queue; a message read after its window is expired.
 - **Ack after the answer.** An entry is ``XACK``ed only once the trajectory actor answered (recorded, a
   duplicate, or refused) or the relay itself refused it; every answer other than "recorded" is audited on
   ``tether:audit`` with a precise reason (``MALFORMED``, ``MISSING_FIELD``, ``TRIMMED``,
@@ -144,7 +147,10 @@ class DeliveryPort(Protocol):
     anything else) when the trajectory could not answer this time: the relay retries after a backoff.
     """
 
-    async def deliver(self, envelope: ControlEnvelope) -> str: ...
+    async def deliver(self, envelope: ControlEnvelope, received_at: float) -> str:
+        """``received_at``: when the relay read the entry (epoch seconds), the time its validity window is
+        judged at, so a message that waited in a lane for a slot does not expire on the way."""
+        ...
 
 
 def owner_of(partition: int, live: Sequence[str]) -> str | None:
@@ -190,6 +196,7 @@ class Relay:
         self._reading: set[int] = set()  # held partitions whose pending entries were taken over
         self._lanes: dict[str, _Lane] = {}
         self._queued = 0
+        self._received: dict[tuple[int, str], float] = {}  # (partition, entry id) -> when we read it
         self._next_lease = 0.0  # renew on the first step
         self._stopping = asyncio.Event()
         self._outage = Outage(f"relay {name}", budget_s=self.config.outage_budget_s, clock=self.clock)
@@ -354,6 +361,9 @@ class Relay:
         # The head may be mid-delivery; its lane drops it after the call if the partition is gone.
         head = lane.items[0] if keep_head and lane.items and lane.task is not None else None
         kept = [d for d in lane.items if d is head or d.partition != partition]
+        for d in lane.items:
+            if d is not head and d.partition == partition:
+                self._received.pop((d.partition, d.entry_id), None)
         self._queued -= len(lane.items) - len(kept)
         lane.items = collections.deque(kept)
 
@@ -374,6 +384,7 @@ class Relay:
             if any(item.entry_id == d.entry_id and item.partition == d.partition for item in lane.items):
                 continue  # already queued (claimed again after a brief lease gap)
             lane.items.append(d)
+            self._received.setdefault((d.partition, d.entry_id), self.clock.wall())
             self._queued += 1
             if lane.task is None or lane.task.done():
                 lane.task = asyncio.ensure_future(self._serve(key, lane))
@@ -392,6 +403,7 @@ class Relay:
                 item = lane.items[0]
                 if not self.owns(item.partition):
                     lane.items.popleft()
+                    self._received.pop((item.partition, item.entry_id), None)
                     self._queued -= 1
                     continue
                 if handled is not item:
@@ -407,6 +419,7 @@ class Relay:
                 lane.backoff.reset()
                 if lane.items and lane.items[0] is item:
                     lane.items.popleft()
+                    self._received.pop((item.partition, item.entry_id), None)
                     self._queued -= 1
         finally:
             if self._lanes.get(key) is lane and (not lane.items or self._stopping.is_set()):
@@ -430,7 +443,8 @@ class Relay:
                 await self._audit(reason, str(item.error), item.entry_id)
                 return HandleResult.AUDITED
             try:
-                answer = await self.targets.deliver(message)
+                received_at = self._received.get((item.partition, item.entry_id), self.clock.wall())
+                answer = await self.targets.deliver(message, received_at)
             except Exception as e:
                 log.warning(
                     "%s: delivering %s to %s failed: %r", self.name, item.entry_id, message.trajectory_id, e

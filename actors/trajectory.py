@@ -131,8 +131,12 @@ class TrajectoryActor:
         finally:
             self._run_callers -= 1
 
-    async def deliver(self, message: bytes) -> str:
+    async def deliver(self, message: bytes, received_at: float | None = None) -> str:
         """Verify, then record one signed control message: "recorded", "duplicate" or "rejected:<REASON>".
+
+        ``received_at`` (epoch seconds): when the relay read it from the control stream; its validity window
+        is judged then, not now (it may have waited for this actor to be placed). Never later than now, never
+        earlier than a day ago (the nonce set outlives every window judged that way).
 
         Verify before dedupe (issue 16): the signature, the signers, their roles and the validity window
         are checked before the message is compared with anything seen, so a copy that does not verify can
@@ -155,7 +159,7 @@ class TrajectoryActor:
             return "rejected:WRONG_TRAJECTORY"
         try:
             # everything but replay: that is judged below, against the record, for verified messages only
-            verified = verifier.verify(msg, self._clock.wall(), _not_judged_here)
+            verified = verifier.verify(msg, self._judged_at(received_at), _not_judged_here)
         except ControlError as e:
             await self._audit(harness, msg, e.reason, str(e))  # unverified: never spends the id
             return f"rejected:{e.reason}"
@@ -183,6 +187,12 @@ class TrajectoryActor:
             return answer
         finally:
             del self._inflight[msg.message_id]
+
+    def _judged_at(self, received_at: float | None) -> float:
+        now = self._clock.wall()
+        if received_at is None:
+            return now
+        return max(min(float(received_at), now), now - _NONCE_TTL_S / 2)
 
     async def _deliver_new(self, harness: Harness, msg: ControlEnvelope, verified: VerifiedControl) -> str:
         """Record a verified message with a new id, unless its nonce was used (a replay)."""

@@ -67,7 +67,7 @@ def _relays_keeping_dead_actors(self: Services) -> None:
                 self.url = url
                 self.inner: Any = None
 
-            async def deliver(self, envelope: Any) -> str:
+            async def deliver(self, envelope: Any, received_at: float) -> str:
                 if self.inner is None:
                     from actors.incarnation import Incarnations
                     from actors.incarnation_ray import RayActors, RedisTrajectories, ray_wake_gate
@@ -83,7 +83,7 @@ def _relays_keeping_dead_actors(self: Services) -> None:
                     runtime = Keep(lambda launch: ensure_actor(launch, ClusterAdapters()))
                     inc = Incarnations(runtime, store.info, gate=ray_wake_gate(), call_timeout_s=10.0)
                     self.inner = TrajectoryTargets(inc, store, ClusterAdapters())
-                return str(await self.inner.deliver(envelope))
+                return str(await self.inner.deliver(envelope, received_at))
 
         return KeepDead
 

@@ -79,10 +79,9 @@ def keyring(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture(params=[TrajectoryActor, DedupeFirst], ids=["verify-first", "protection-off"])
-async def actor(
-    request: pytest.FixtureRequest, redis_url: str, keyring: Path, provider: ProviderThread
-) -> AsyncIterator[TrajectoryActor]:
+def _actor(
+    kind: type[TrajectoryActor], redis_url: str, keyring: Path, provider: ProviderThread
+) -> TrajectoryActor:
     launch = TrajectoryLaunch(
         trajectory_id=f"t-{uuid.uuid4().hex[:10]}",
         goal="be interrupted",
@@ -96,16 +95,26 @@ async def actor(
         keyring_path=str(keyring),
         completion_check=CheckLaunch(name="always"),
     )
-    kind: type[TrajectoryActor] = request.param
-    a = kind(launch.to_json(), ClusterAdapters())
+    return kind(launch.to_json(), ClusterAdapters())
+
+
+async def _close(a: TrajectoryActor) -> None:
+    task = a._loop_task
+    if task is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 60.0)
+    await a._shutdown()
+
+
+@pytest.fixture(params=[TrajectoryActor, DedupeFirst], ids=["verify-first", "protection-off"])
+async def actor(
+    request: pytest.FixtureRequest, redis_url: str, keyring: Path, provider: ProviderThread
+) -> AsyncIterator[TrajectoryActor]:
+    a = _actor(request.param, redis_url, keyring, provider)
     try:
         yield a
     finally:
-        task = a._loop_task
-        if task is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 60.0)
-        await a._shutdown()
+        await _close(a)
 
 
 async def test_a_tampered_copy_in_flight_with_the_genuine_message_does_not_cost_it(
@@ -146,3 +155,37 @@ async def test_a_tampered_copy_in_flight_with_the_genuine_message_does_not_cost_
 async def _events(url: str, tid: str) -> list[Any]:
     async with RedisLogStore.from_url(url) as store:
         return [decode(payload) for _, payload in await store.read(tid)]
+
+
+@pytest.mark.parametrize("judged", ["when-received", "protection-off"])
+async def test_a_message_read_in_its_window_is_valid_however_late_it_is_delivered(
+    redis_url: str, keyring: Path, provider: ProviderThread, judged: str
+) -> None:
+    # Given an interrupt valid for 60 s, read by a relay 10 s after it was issued, delivered two minutes later
+    a = _actor(TrajectoryActor, redis_url, keyring, provider)
+    tid = a.launch.trajectory_id
+    issued = time.time() - 120.0
+    m = ControlMessage.create(
+        tid, ControlAction.INTERRUPT, "alice", now=issued, ttl_s=60.0, payload={"message": "hi"}
+    )
+    message = encode_message(sign(m, "alice", load_private_key("alice", keyring)))
+    try:
+        # When it is delivered with the time it was read (protection off: without it)
+        answer = await a.deliver(message, issued + 10.0 if judged == "when-received" else None)
+        # Then it is recorded; judged at delivery time it would have expired
+        events = await _events(redis_url, tid)
+        if judged == "protection-off":
+            assert answer == "rejected:EXPIRED"
+            assert not [e for e in events if isinstance(e, ControlRequested)]
+            return
+        assert answer == "recorded"
+        assert [e.message_id for e in events if isinstance(e, ControlRequested)] == [m.message_id]
+        # and a relay cannot stretch a window into the future: a receipt "later than now" is judged now
+        late = sign(
+            ControlMessage.create(tid, ControlAction.INTERRUPT, "alice", now=issued, ttl_s=60.0),
+            "alice",
+            load_private_key("alice", keyring),
+        )
+        assert await a.deliver(encode_message(late), time.time() + 3600.0) == "rejected:EXPIRED"
+    finally:
+        await _close(a)

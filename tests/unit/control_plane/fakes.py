@@ -188,9 +188,11 @@ class FakeTargets:
     answer: dict[str, str] = field(default_factory=dict)
     fail: Callable[[str], bool] = lambda _tid: False
     gate: dict[str, asyncio.Event] = field(default_factory=dict)
+    received_at: dict[str, float] = field(default_factory=dict)  # message id -> first received_at seen
 
-    async def deliver(self, envelope: ControlEnvelope) -> str:
+    async def deliver(self, envelope: ControlEnvelope, received_at: float) -> str:
         tid = envelope.trajectory_id
+        self.received_at.setdefault(envelope.message_id, received_at)
         self.calls[tid] = self.calls.get(tid, 0) + 1
         held = self.gate.get(envelope.message_id) or self.gate.get(tid)
         if held is not None:

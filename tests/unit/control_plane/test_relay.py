@@ -432,3 +432,24 @@ async def test_entries_dropped_while_a_lease_had_lapsed_are_taken_over_again_whe
     finally:
         r.stop()
         await asyncio.wait_for(task, 5.0)
+
+
+async def test_the_time_a_message_was_read_travels_with_it_through_its_retries(
+    stream: FakeStream, targets: FakeTargets, audit: FakeAudit, clock: FakeClock
+) -> None:
+    # Given a trajectory that cannot be reached for a minute after its message is read
+    reachable_at = clock.now() + 60.0
+    targets.fail = lambda tid: clock.now() < reachable_at
+    r = relay("relay:0", stream, targets, audit, clock)
+    await r.start()
+    await drive([r], clock, lambda: bool(r.stats()["partitions"]))
+    m = msg()
+    stream.publish(m)
+    read_at = clock.wall()
+
+    # When the relay keeps retrying until it gets through
+    await drive([r], clock, lambda: bool(stream.acked), tick_s=0.5)
+
+    # Then every attempt carried the time it was read (the validity window is judged then, not a minute on)
+    assert targets.records["t-1"] == [m.message_id]
+    assert read_at <= targets.received_at[m.message_id] <= read_at + 0.2 < clock.wall() - 50.0

@@ -41,7 +41,7 @@ class Store:
 class Trusting(TrajectoryTargets):
     """Protection off: delivers (and wakes) without verifying first."""
 
-    async def deliver(self, envelope: ControlEnvelope) -> str:
+    async def deliver(self, envelope: ControlEnvelope, received_at: float | None = None) -> str:
         reached = await self.incarnations.call(envelope.trajectory_id, "deliver", envelope.data)
         return str(reached.value)
 
@@ -133,3 +133,33 @@ async def test_ended_and_unknown_trajectories_are_answered_without_a_process(key
     assert await targets.deliver(envelope_of(signed(keyring, "t-done"))) == TERMINAL
     assert await targets.deliver(envelope_of(signed(keyring, "ghost"))) == UNKNOWN
     assert runtime.created == []
+
+
+@pytest.mark.parametrize("judged", ["when-received", "protection-off"])
+async def test_a_message_read_in_its_window_does_not_expire_waiting_for_a_slot(
+    keyring: Path, judged: str
+) -> None:
+    # Given an approval valid for 60 s that the relay read 10 s after it was issued, and that reaches the
+    # trajectory only two minutes later (it waited in its lane for a free trajectory slot)
+    targets, runtime, launches = setup(keyring)
+    launches.add("t-1")
+    issued = time.time() - 120.0
+    m = ControlMessage.create("t-1", ControlAction.RESUME, "alice", now=issued, ttl_s=60.0)
+    message = sign(m, "alice", load_private_key("alice", keyring))
+
+    # When it is delivered, judged at the time it was read (or, protection off, at delivery)
+    answer = await targets.deliver(envelope_of(message), issued + 10.0 if judged == "when-received" else None)
+
+    # Then it is delivered (the trajectory is woken); judged at delivery it would have expired in the queue
+    if judged == "protection-off":
+        assert answer.startswith("rejected:EXPIRED") and runtime.created == []
+        return
+    assert answer == "recorded" and runtime.created[0].calls == [
+        ("deliver", (message_bytes(message), issued + 10.0))
+    ]
+
+
+def message_bytes(message: ControlMessage) -> bytes:
+    from cluster.control import encode_message
+
+    return encode_message(message)
