@@ -50,9 +50,9 @@ from runtime.operations import Operation, may_redispatch, settle
 from runtime.ports import Settlement
 from runtime.record import (
     ApprovalDecision,
-    HeldVote,
     AuditKind,
     HeldCall,
+    HeldVote,
     ModelOutcome,
     PendingCall,
     QueuedCall,

@@ -88,8 +88,8 @@ from runtime.states import ExitReason, TrajectoryState
 __all__ = [
     "EVENT_TYPES",
     "ApprovalDecided",
-    "ApprovalVoted",
     "ApprovalRechecked",
+    "ApprovalVoted",
     "BudgetCharged",
     "BudgetStageChanged",
     "CallObserved",

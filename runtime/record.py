@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ApprovalDecision",
-    "HeldVote",
     "AuditEntry",
     "AuditKind",
     "CallLimits",
@@ -38,6 +37,7 @@ __all__ = [
     "ControlAction",
     "Grants",
     "HeldCall",
+    "HeldVote",
     "JsonValue",
     "Lease",
     "LeaseKind",

@@ -207,8 +207,8 @@ def examples() -> list[Event]:
         TurnAbandoned,
         TurnRequested,
     )
-    from runtime.record import QueueStage, TimerKind
     from runtime.ports import GuardPermit, OutcomeClass, SandboxPermit, Settlement, ToolCallProposal
+    from runtime.record import QueueStage, TimerKind
 
     return [
         created(parent_id="traj-0", workspace_ref="ws://1"),
