@@ -217,6 +217,7 @@ def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord
             liability=ev.liability,
             compensation=ev.compensation,
             repeat_safe=ev.repeat_safe,
+            arguments=ev.arguments,
         )
     else:
         if (existing.call_id, existing.tool, existing.effect_key) != (ev.call_id, ev.tool, ev.effect_key):

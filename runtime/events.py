@@ -281,6 +281,7 @@ class ModelCallSettled:
     stop_reason: StopReason
     usage: Usage
     dollars: float
+    usage_estimated: bool = False  # the provider reported no usage: metered from the adapter's estimate
 
     def __post_init__(self) -> None:
         _check(self.stop_reason is not StopReason.CANCELED, "an aborted stream is ModelCallCancelled")
