@@ -181,8 +181,8 @@ class ContractFields(_Spec):
     _check_arguments = field_validator("arguments")(_check_schema)
 
     def declared(self) -> dict[str, Any]:
-        """The fields the workload actually wrote."""
-        return self.model_dump(exclude_none=True)
+        """The contract fields the workload actually wrote."""
+        return self.model_dump(include=set(ContractFields.model_fields), exclude_none=True)
 
 
 class DeclaredContract(_Spec):

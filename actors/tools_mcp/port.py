@@ -9,12 +9,15 @@ reaches the call that is in flight for it. MCP has no result-recovery protocol, 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from actors.tools_mcp.config import McpRoute
-from actors.tools_mcp.host import McpHosts
 from runtime.clock import Clock, SystemClock
 from runtime.errors import InputError, PolicyRefusal
 from runtime.ports import ProbeResult, Settlement, ToolInvocation, ToolOutcome
+
+if TYPE_CHECKING:  # the hosts import the SDK and Ray; the port itself needs neither
+    from actors.tools_mcp.host import McpHosts
 
 __all__ = ["McpDeadlinePassed", "McpToolPort", "NoMcpRoute"]
 
