@@ -116,6 +116,11 @@ class TrajectoryLaunch(_Frozen):
     tool_contracts: dict[str, DeclaredContract] = Field(default_factory=dict)
     mcp_servers: dict[str, McpServerConfig] = Field(default_factory=dict)  # server name -> how to reach it
     mcp_tools: dict[str, McpRoute] = Field(default_factory=dict)  # tool -> (server, remote tool name)
+    # Who holds the MCP sessions: "host" (one host actor per server, shared by the run; a call outlives a
+    # killed trajectory actor) or "trajectory" (this trajectory's actor holds its own, a stdio server is its
+    # child: for a server that must be private to one trajectory, at the price that killing the actor
+    # kills its calls).
+    mcp_placement: Literal["host", "trajectory"] = "host"
     use_scheduler: bool = True  # admit through the named scheduler actor when one exists
     guard: GuardMode = "actor"  # breaker + bulkhead: one guard actor per scope, in process, or none
     retry: RetryLaunch = RetryLaunch()

@@ -273,11 +273,13 @@ class BuiltPorts:
 
 def _mcp_port(launch: TrajectoryLaunch, clock: Clock) -> McpToolPort:
     """The MCP tools' port: calls go to each server's host actor (``actors.tools_mcp.host``), so a server's
-    session, and a stdio server's process, outlive this trajectory's actor."""
-    from actors.tools_mcp.host import RayMcpHosts
+    session, and a stdio server's process, outlive this trajectory's actor (``mcp_placement: trajectory``:
+    this actor holds its own sessions instead)."""
+    from actors.tools_mcp.host import InProcessMcpHosts, McpHosts, RayMcpHosts
 
     servers = {route.server for route in launch.mcp_tools.values()}
-    hosts = RayMcpHosts({name: launch.mcp_servers[name] for name in sorted(servers)})
+    configs = {name: launch.mcp_servers[name] for name in sorted(servers)}
+    hosts: McpHosts = RayMcpHosts(configs) if launch.mcp_placement == "host" else InProcessMcpHosts(configs)
     return McpToolPort(launch.mcp_tools, hosts, clock)
 
 

@@ -84,6 +84,7 @@ class McpSession:
         self._close: asyncio.Event | None = None
         self._opening: asyncio.Lock | None = None
         self._calls: dict[str, asyncio.Task[ToolOutcome]] = {}  # call key -> the task carrying it out
+        self._abandoned: dict[str, asyncio.Event] = {}  # call key -> set when ``cancel`` gave it up
 
     # ------------------------------------------------------------------ connection
 
@@ -196,34 +197,39 @@ class McpSession:
         """One ``tools/call`` of ``remote`` with ``arguments``, settled by ``deadline`` (epoch seconds).
 
         ``key`` names the call for ``cancel`` (the effect key); a second call with the key of one still in
-        flight waits for that one's outcome instead of sending again."""
+        flight waits for that one's outcome instead of sending again. The call goes on when this caller is
+        cancelled (its outcome is then not heard); only ``cancel`` abandons it."""
         running = self._calls.get(key) if key else None
-        if running is not None and not running.done():
-            return await asyncio.shield(running)
-        task = asyncio.get_running_loop().create_task(self._call(remote, dict(arguments), deadline))
-        if key:
-            self._calls[key] = task
+        if running is None or running.done():
+            running = asyncio.get_running_loop().create_task(self._call(remote, dict(arguments), deadline))
+            if key:
+                self._calls[key] = running
+                running.add_done_callback(lambda t: self._forget(key, t))
+        abandoned = self._abandoned.setdefault(key, asyncio.Event()) if key else asyncio.Event()
+        gave_up = asyncio.ensure_future(abandoned.wait())
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and (current is None or not current.cancelling()):
-                # abandoned through ``cancel``, not by our caller: the server may have applied it
-                return outcome_of_error(types.REQUEST_TIMEOUT, f"{remote!r} was cancelled in flight")
-            raise
+            await asyncio.wait({running, gave_up}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if key and task.done() and self._calls.get(key) is task:
-                del self._calls[key]
+            gave_up.cancel()
+        if running.done() and not running.cancelled():
+            return running.result()
+        # abandoned through ``cancel``: the server was told, and may have applied it all the same
+        return outcome_of_error(types.REQUEST_TIMEOUT, f"{remote!r} was cancelled in flight")
+
+    def _forget(self, key: str, task: asyncio.Task[ToolOutcome]) -> None:
+        if self._calls.get(key) is task:
+            del self._calls[key]
+            self._abandoned.pop(key, None)
 
     async def cancel(self, key: str) -> bool:
-        """Abandon the call named ``key`` (the SDK tells the server ``notifications/cancelled``). False when
-        no such call is in flight."""
+        """Abandon the call named ``key``: its callers are answered at once (outcome unknown) and the SDK
+        tells the server ``notifications/cancelled``. False when no such call is in flight."""
         task = self._calls.get(key)
         if task is None or task.done():
             return False
+        self._abandoned.setdefault(key, asyncio.Event()).set()
         task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)  # the courtesy cancel goes out meanwhile
         return True
 
     async def _call(self, remote: str, arguments: dict[str, Any], deadline: float) -> ToolOutcome:
