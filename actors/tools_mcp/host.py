@@ -113,6 +113,10 @@ class McpHostActor:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def in_flight(self) -> int:
+        """How many calls are being carried out now (a caller that died does not end its call)."""
+        return self._session.in_flight()
+
     async def shutdown(self) -> None:
         """Close the session (a stdio server is stopped); the actor stays and reopens on the next call."""
         await self._session.close()

@@ -221,6 +221,10 @@ class McpSession:
             del self._calls[key]
             self._abandoned.pop(key, None)
 
+    def in_flight(self) -> int:
+        """Calls with a key that are still being carried out."""
+        return sum(1 for task in self._calls.values() if not task.done())
+
     async def cancel(self, key: str) -> bool:
         """Abandon the call named ``key``: its callers are answered at once (outcome unknown) and the SDK
         tells the server ``notifications/cancelled``. False when no such call is in flight."""
