@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,11 +94,12 @@ class McpSession:
         if cfg.url is not None:
             http = create_mcp_http_client(headers=dict(cfg.headers) or None)
             return streamable_http_client(cfg.url, http_client=http)
+        env = dict(cfg.env)
+        # Tether's own environment first on PATH (unless the workload set PATH): a server installed beside
+        # Tether is found by a wrapper script too, also when that environment was never activated.
+        env.setdefault("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
         params = StdioServerParameters(
-            command=resolve_command(cfg.command[0]),
-            args=list(cfg.command[1:]),
-            env=dict(cfg.env) or None,
-            cwd=cfg.cwd,
+            command=resolve_command(cfg.command[0]), args=list(cfg.command[1:]), env=env, cwd=cfg.cwd
         )
         return stdio_client(params, errlog=self._errlog or sys.stderr)
 
