@@ -100,8 +100,10 @@ class LocalToolPort:
                 OutcomeClass.CLIENT_REJECTION,
                 error=f"no local tool {invocation.tool!r}",
             )
+        model = tool.contract.arguments
+        assert isinstance(model, type), "built-in tools declare pydantic arguments"
         try:
-            args = tool.contract.arguments.model_validate(dict(invocation.arguments))
+            args = model.model_validate(dict(invocation.arguments))
         except ValidationError as e:
             return ToolOutcome(Settlement.ESTABLISHED_ABSENT, OutcomeClass.CLIENT_REJECTION, error=str(e))
         task = asyncio.ensure_future(_call(tool.function, args))

@@ -28,6 +28,7 @@ from actors.ports import ClosableLogStore
 from actors.sandbox import Sandbox
 from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
+from actors.tools_mcp.port import McpToolPort
 from runtime.clock import Clock
 from runtime.dispatch import NoGuard
 from runtime.errors import InputError
@@ -111,24 +112,34 @@ class SplitGuard:
 
 
 def build_registry(launch: TrajectoryLaunch) -> ToolRegistry:
-    """Contracts of every tool the launch routes: testbed/gRPC tools by name, built-ins by name."""
+    """Contracts of every tool the launch routes: a contract the launch carries (declared in the workload for
+    a gRPC service or an MCP tool) first, else the testbed's built-in contract by name; built-ins by name.
+    Compensation references are checked (every compensation names a routed tool with those arguments)."""
     known = {c.name: c for c in testbed_contracts()}
     builtins = builtin_tools()
     registry = ToolRegistry()
-    for name in sorted(launch.tool_routes):
-        if name not in known:
+    where = f"launch[{launch.trajectory_id}]"
+    for name in sorted({*launch.tool_routes, *launch.mcp_tools}):
+        declared = launch.tool_contracts.get(name)
+        if declared is not None:
+            registry.register(declared.build(name))
+        elif name in known and name in launch.tool_routes:
+            registry.register(known[name])
+        else:
             raise InputError(
-                f"no contract for gRPC tool {name!r}; known: {', '.join(sorted(known))}",
-                where=f"launch[{launch.trajectory_id}].tool_routes",
+                f"no contract for {'gRPC' if name in launch.tool_routes else 'MCP'} tool {name!r}; "
+                "declare it in the workload "
+                f"(built in: {', '.join(sorted(known))})",
+                where=f"{where}.tool_contracts",
             )
-        registry.register(known[name])
     for name in sorted(launch.local_tools):
         if name not in builtins:
             raise InputError(
                 f"no built-in tool {name!r}; known: {', '.join(sorted(builtins))}",
-                where=f"launch[{launch.trajectory_id}].local_tools",
+                where=f"{where}.local_tools",
             )
         registry.register(builtins[name].contract)
+    registry.check_references()
     return registry
 
 
@@ -206,6 +217,18 @@ class BuiltPorts:
                 await closer()
 
 
+def _mcp_port(launch: TrajectoryLaunch, clock: Clock) -> McpToolPort:
+    """The MCP tools' port: calls go to each server's host actor (``actors.tools_mcp.host``), so a server's
+    session, and a stdio server's process, outlive this trajectory's actor (``mcp_placement: trajectory``:
+    this actor holds its own sessions instead)."""
+    from actors.tools_mcp.host import InProcessMcpHosts, McpHosts, RayMcpHosts
+
+    servers = {route.server for route in launch.mcp_tools.values()}
+    configs = {name: launch.mcp_servers[name] for name in sorted(servers)}
+    hosts: McpHosts = RayMcpHosts(configs) if launch.mcp_placement == "host" else InProcessMcpHosts(configs)
+    return McpToolPort(launch.mcp_tools, hosts, clock)
+
+
 class LogStoreFactory(Protocol):
     """Opens the durable log store (``actors.ports.ClusterPorts.open_log``)."""
 
@@ -243,6 +266,10 @@ def build_ports(
         grpc_port = GrpcToolPort(launch.tool_routes, clock=clock)
         closers.append(grpc_port.close)
         routes.update(dict.fromkeys(launch.tool_routes, grpc_port))
+    if launch.mcp_tools:
+        mcp_port = _mcp_port(launch, clock)
+        closers.append(mcp_port.close)
+        routes.update(dict.fromkeys(launch.mcp_tools, mcp_port))
     if launch.local_tools:
         builtins = builtin_tools(
             sandbox,
