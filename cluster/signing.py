@@ -87,6 +87,11 @@ ACTION_ROLES: Mapping[ControlAction, frozenset[Role]] = MappingProxyType(
         ControlAction.RESUME: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.CANCEL: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.INTERRUPT: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
+        # issue 12: an incident hold is containment (security and reliability staff, or an automated
+        # policy); lifting it and taking custody of an escalation are a person's decisions
+        ControlAction.HOLD: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE, Role.POLICY}),
+        ControlAction.RELEASE: frozenset({Role.OPERATOR, Role.SECOPS}),
+        ControlAction.ACKNOWLEDGE: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
     }
 )
 

@@ -47,6 +47,8 @@ S = TrajectoryState
 def stop_requested(step: Step) -> str | None:
     """The pending stop request (pause, cancel, kill), if any: nothing not yet sent is sent while it is."""
     pending = step.pending(*STOPS)
+    if pending is None and step.record.hold is not None and step.record.state is not S.FINALIZING:
+        return "hold"  # issue 12: a held trajectory sends no model-directed work (cleanup is not held)
     return None if pending is None else pending.action.value
 
 
@@ -158,6 +160,9 @@ def on_permit_refused(step: Step, inp: PermitRefused) -> None:
     if inp.retry_after is not None:
         body["retry_after_s"] = round(inp.retry_after, 3)
     withdraw(step, q.call_id, f"permit refused: {inp.reason}", body)
+    from runtime._decide_supervise import on_dependency_refused
+
+    on_dependency_refused(step, inp.reason, inp.message)  # issue 12: a breaker open is a degradation trigger
 
 
 def dispatch(step: Step, q: QueuedCall, guard: GuardPermit | None, sandbox: SandboxPermit | None) -> None:

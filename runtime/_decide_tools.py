@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from runtime import _decide_children as children
+from runtime import _decide_supervise as supervise
 from runtime._decide_approval import hold
 from runtime._decide_dispatch import queue_for_permit, refusal, refuse_call, stop_requested
-from runtime._decide_finalize import enter_finalizing
 from runtime._step import Step
 from runtime.decisions import expired_calls, on_tool_result
 from runtime.effects import ProbeTool, ReleasePermit
@@ -42,7 +43,7 @@ from runtime.operations import Operation
 from runtime.ports import Settlement, ToolCallProposal
 from runtime.record import QueueStage, TimerKind
 from runtime.retry import RetryAction, after_probe, decide_retry
-from runtime.states import ExitReason, TrajectoryState
+from runtime.states import TrajectoryState
 from runtime.tools import ToolArgumentsInvalid, UnknownTool
 from runtime.watchdog import WatchdogStep
 
@@ -98,11 +99,11 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
         fired = _observe(step, p, args)
         if problem is not None:
             refuse_call(step, p.call_id, problem)
-        if fired is not None:
-            step.emit(StateChanged(S.CALLING_MODEL, S.READY, f"watchdog: {fired}"))
-            enter_finalizing(step, ExitReason.ERROR, f"watchdog {fired} stopped a loop")
+        # issue 12: disclosure rules and the watchdog ladder (inform, constrain, hold)
+        screened = supervise.screen(step, p, args, fired)
+        if screened == supervise.Screen.STOP:
             return
-        if args is not None:
+        if args is not None and screened == supervise.Screen.PASS:
             valid.append((p, args))
 
     stop = stop_requested(step)
@@ -122,6 +123,9 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
         return
     step.emit(StateChanged(S.CALLING_MODEL, S.WAITING_TOOL, f"dispatching {len(valid)} call(s)"))
     for p, args in valid:
+        if children.is_delegation(step, p.tool):  # issue 12: a delegated call becomes a child trajectory
+            children.spawn(step, p, args)
+            continue
         queue_for_permit(step, p.call_id, p.tool, args)
 
 

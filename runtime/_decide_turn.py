@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from runtime import _decide_children as children
+from runtime import _decide_supervise as supervise
 from runtime import decisions
 from runtime._decide_approval import awaiting
 from runtime._decide_finalize import abandon_calls, enter_finalizing, finalize, halt_unfundable, withdraw
@@ -124,6 +126,9 @@ def _ready(step: Step) -> bool:
         return False  # waiting for admission, or a backoff
     if _assess_budget(step):
         return True
+    held = supervise.at_boundary(step)  # issue 12: holds, turn-level watchdogs, degradation triggers
+    if held is not None:
+        return held
     if step.record.refusals > step.policy.max_refusals:
         enter_finalizing(step, ExitReason.REFUSED, "the model refused repeatedly")
         return True
@@ -203,8 +208,10 @@ def _waiting_tool(step: Step) -> bool:
             withdraw(step, q.call_id, "not sent: pause requested", body)
     if _deadline_passed(step) and (step.record.pending_calls or step.record.queued):
         abandon_calls(step, "trajectory deadline passed")
+    if _deadline_passed(step) or (stop is not None and stop.action is not ControlAction.PAUSE):
+        children.cascade(step, False, "the parent stopped waiting")  # issue 12: cancel reaches children
     rec = step.record
-    if not rec.pending_calls and not rec.queued:
+    if not rec.pending_calls and not rec.queued and not children.waiting(step):  # issue 12: children
         step.emit(StateChanged(S.WAITING_TOOL, S.READY, "tool calls settled"))
         return True
     return False
@@ -389,7 +396,8 @@ def _after_reply(step: Step, reply: ModelReply) -> None:
     stop = reply.stop_reason
     if stop is StopReason.END_TURN:
         step.emit(ObservationAppended(ObservationKind.ASSISTANT, reply.text))
-        enter_finalizing(step, ExitReason.COMPLETED, "the model ended its turn")
+        # issue 12: on the assisted rung an end of turn is a plan for a person, not a completion claim
+        enter_finalizing(step, supervise.completion_exit(step), "the model ended its turn")
         return
     if stop is StopReason.MAX_TOKENS:
         # quarantine: a truncated reply is never parsed into calls, whatever it contains
@@ -449,6 +457,8 @@ def on_model_cancelled(step: Step, inp: ModelCancelled) -> None:
 def on_control(step: Step, inp: ControlReceived) -> None:
     """A verified message is recorded durably (the relay acknowledges it only then) and applied at the next
     turn boundary; kill acts at once, and a pending stop aborts a streaming model call."""
+    if supervise.on_control(step, inp):  # issue 12: hold, release, acknowledge; resume under a hold
+        return
     rec = step.record
     payload: dict[str, JsonValue] = dict(inp.payload)
     if inp.signer_roles:

@@ -20,13 +20,23 @@ Each line: the effect — what the interpreter does — the input its result bec
 - ``CancelTimer``       — disarms a timer — none
 - ``KillProcesses``     — kills the trajectory's sandboxed process groups at once — none
 - ``Hibernate``         — the actor exits; the record stays in Redis; timers and signals wake it — none
+- ``PublishEscalation`` — writes an escalation (opened, taken into custody, resolved) to the cluster's
+                          escalation registry (``tether escalations``) — none
+- ``OpenIncident``      — records an incident this trajectory opened (a disclosure rule) in the incident
+                          store (``tether incident``), quarantining what the trajectory produced — none
+- ``SpawnChild``        — starts a child trajectory (its own actor) under a delegation contract and waits
+                          for it — ``ChildFinished``
+- ``CancelChild``       — cancels or kills a child trajectory (the cascade of cancel and kill) — none
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TypeAlias
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
+from runtime.delegation import DelegationContract
+from runtime.escalation import Escalation
 from runtime.ports import (
     GuardPermit,
     ModelRequest,
@@ -41,6 +51,7 @@ from runtime.record import Timer
 __all__ = [
     "AcquirePermit",
     "CallModel",
+    "CancelChild",
     "CancelModelStream",
     "CancelTimer",
     "CancelToolCall",
@@ -48,11 +59,14 @@ __all__ = [
     "Effect",
     "Hibernate",
     "KillProcesses",
+    "OpenIncident",
     "ProbeTool",
+    "PublishEscalation",
     "ReleasePermit",
     "ReportLimits",
     "RequestAdmission",
     "SettleAdmission",
+    "SpawnChild",
     "StartTimer",
 ]
 
@@ -156,6 +170,40 @@ class Hibernate:
     reason: str
 
 
+# --------------------------------------------------------------------------- supervision (issue 12)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishEscalation:
+    escalation: Escalation
+
+
+@dataclass(frozen=True, slots=True)
+class OpenIncident:
+    """An incident this trajectory opened itself. ``member`` is its metadata (``runtime.incident``);
+    ``artifacts``: what it produced so far (result digests and ids), to quarantine."""
+
+    incident_id: str
+    trajectory_id: str
+    symptom: str
+    suspected_cause: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    member: Mapping[str, Any] = field(default_factory=dict)
+    artifacts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnChild:
+    contract: DelegationContract
+
+
+@dataclass(frozen=True, slots=True)
+class CancelChild:
+    child_id: str
+    kill: bool
+    reason: str
+
+
 Effect: TypeAlias = (
     RequestAdmission
     | CallModel
@@ -171,5 +219,9 @@ Effect: TypeAlias = (
     | CancelTimer
     | KillProcesses
     | Hibernate
+    | PublishEscalation
+    | OpenIncident
+    | SpawnChild
+    | CancelChild
 )
 """Any effect of the decider."""

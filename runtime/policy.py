@@ -15,6 +15,7 @@ from runtime.budget import PriceTable, StageThresholds
 from runtime.deadline import FinalizationReserve
 from runtime.errors import InputError
 from runtime.retry import RetryPolicy
+from runtime.supervision import SupervisionPolicy
 from runtime.tools import ToolRegistry
 from runtime.watchdog import WatchdogConfig
 
@@ -51,6 +52,9 @@ class TrajectoryPolicy:
     system_prompt: str | None = None
     idle_hibernate_s: float | None = None  # waiting (paused, awaiting approval) longer than this: hibernate
     rng_seed: int = 0  # the decider's only source of randomness (backoff jitter)
+    # issue 12: the watchdog ladder, task-state projection, disclosure rules, escalation routes,
+    # degradation ladder and delegation template (runtime.supervision)
+    supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)
 
     def __post_init__(self) -> None:
         for name in ("tool_timeout_s", "probe_timeout_s", "approval_timeout_s", "model_backoff_base_s"):

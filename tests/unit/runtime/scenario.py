@@ -207,6 +207,23 @@ def examples() -> list[Event]:
         TurnAbandoned,
         TurnRequested,
     )
+    from runtime.degradation import Rung
+    from runtime.events import (
+        CallWithheld,
+        ChildCancelled,
+        ChildSettled,
+        ChildSpawned,
+        EscalationAcknowledged,
+        EscalationOpened,
+        EscalationResolved,
+        HoldPlaced,
+        HoldReleased,
+        IncidentOpened,
+        ProgressObserved,
+        RungChanged,
+        WatchdogFired,
+    )
+    from runtime.incident import HoldKind
     from runtime.ports import GuardPermit, OutcomeClass, SandboxPermit, Settlement, ToolCallProposal
     from runtime.record import QueueStage, TimerKind
 
@@ -269,4 +286,18 @@ def examples() -> list[Event]:
             guard_permit=GuardPermit("g-1", "test-service", 2, False),
             sandbox_permit=SandboxPermit("s-1", "default", T0 + 60),
         ),
+        # issue 12: supervision
+        HoldPlaced(HoldKind.INCIDENT, "disclosure", "policy:disclosure", T0 + 5, "inc-1", "esc-1"),
+        HoldReleased(HoldKind.INCIDENT, "op:alice", "reviewed", "inc-1"),
+        WatchdogFired("exact_repeat", "inform", 1, "identical call 3 times", "c5", {"steps": [1, 2, 3]}),
+        ProgressObserved(4, "digest-4", False, 3),
+        CallWithheld("c5", "run_tests", "watchdog exact_repeat (inform)"),
+        EscalationOpened("esc-1", "guard", "loop", "oncall", T0, T0 + 900, {"key": "k"}, {"goal": "g"}),
+        EscalationAcknowledged("esc-1", "op:alice", T0 + 60, "9-0"),
+        EscalationResolved("esc-1", "released"),
+        IncidentOpened("inc-1", "fixture data to search", "unknown", {"path": "$.query"}),
+        RungChanged(Rung.CONSTRAINED, "breaker_open", "env-provisioner open"),
+        ChildSpawned("traj-1.c1", "c8", "run the suite", {"turns": 3.0, "dollars": 0.1}, T0 + 300),
+        ChildSettled("traj-1.c1", "c8", False, "ended FAILED", {"turns": 2.0}, {"status": "FAILED_CHECK"}),
+        ChildCancelled("traj-1.c2", "c9", "parent killed"),
     ]
