@@ -78,6 +78,7 @@ __all__ = [
     "on_dependency_refused",
     "open_escalation",
     "screen",
+    "waiting_on_job",
 ]
 
 S = TrajectoryState
@@ -226,6 +227,17 @@ def _climb(
     count = step.record.supervision.ladder.get(guard.value, 0) + 1
     rung = _policy(step).ladder.rung(count)
     detail = finding.detail if finding is not None else guard.value
+    removed: list[str] = []
+    if rung is LadderRung.CONSTRAIN:
+        # a call-level detector takes the looping tool away; a state-level one leaves only read-only tools
+        # (the writes are what oscillate). Proposing a removed tool again climbs the same ladder.
+        grants = step.record.grants
+        allowed = [t for t in sorted(grants.tools) if grants.allows(t)]
+        if call is not None and call.tool in grants.tools:
+            narrow(step, grants.tools - {call.tool}, False, f"watchdog {guard.value}: constrain")
+        else:
+            narrow(step, grants.tools, True, f"watchdog {guard.value}: constrain")
+        removed = [t for t in allowed if not step.record.grants.allows(t)]
     evidence: dict[str, Any] = {
         "guard": guard.value,
         "firing": count,
@@ -233,25 +245,28 @@ def _climb(
         "finding": detail,
         "steps": list(finding.step_indices) if finding is not None else [],
         "turn": step.record.turn_count,
+        "removed": removed,
     }
+    # the windows the detectors saw (most recent last): what a person reviewing the hold needs first
+    evidence["fingerprints"] = [s.call_fingerprint for s in step.record.watchdog.history[-6:]]
+    evidence["digests"] = [s.state_digest for s in step.record.supervision.progress.history[-6:]]
     if call is not None:
         evidence.update(call_id=call.call_id, tool=call.tool, arguments=call.raw_arguments[:500])
-    else:
-        evidence["digests"] = [s.state_digest for s in step.record.supervision.progress.history[-6:]]
     step.emit(WatchdogFired(guard.value, rung.value, count, detail, call.call_id if call else None, evidence))
-    what = f"the call {call.tool}({call.raw_arguments[:120]})" if call is not None else "the task state"
-    if rung is LadderRung.INFORM:
+    if rung is LadderRung.INFORM and call is not None:
         note = (
-            f"Watchdog ({guard.value}): {detail}. {what} was not run again: without changed preconditions "
-            "the result will not change. Formulate a different approach before proposing it again."
+            f"Watchdog ({guard.value}): {detail}. The call {call.tool}({call.raw_arguments[:120]}) was not "
+            "run again: without changed preconditions its result will not change. Formulate a different "
+            "approach before proposing it again."
+        )
+    elif rung is LadderRung.INFORM:
+        note = (
+            f"Watchdog ({guard.value}): {detail}. The declared task state has not advanced: formulate a "
+            "different hypothesis before the next change."
         )
     elif rung is LadderRung.CONSTRAIN:
-        if call is not None and call.tool in step.record.grants.tools:
-            narrow(step, step.record.grants.tools - {call.tool}, False, f"watchdog {guard.value}: constrain")
-            note = f"Watchdog ({guard.value}): {detail}. {call.tool} is no longer available to you."
-        else:
-            narrow(step, step.record.grants.tools, True, f"watchdog {guard.value}: constrain")
-            note = f"Watchdog ({guard.value}): {detail}. Only read-only tools remain available."
+        gone = ", ".join(removed) or "nothing more"
+        note = f"Watchdog ({guard.value}): {detail}. No longer available to you: {gone}."
     else:
         note = f"Watchdog ({guard.value}): {detail}. Work is on hold until a person reviews it."
     if call is not None:
@@ -276,15 +291,22 @@ def _finding(history: Any, config: Any, guard: Guard) -> WatchdogFinding | None:
 def screen(step: Step, p: ToolCallProposal, args: Mapping[str, Any] | None, fired: str | None) -> str:
     """One proposed call, already validated and shown to the watchdog (``fired``: its detector)."""
     sup = _policy(step)
-    finding = find_disclosure(sup.disclosure, p.tool, args if args is not None else p.raw_arguments)
-    if finding is not None:
-        _disclosure(step, p, finding.data_class, finding.path)
+    disclosed = find_disclosure(sup.disclosure, p.tool, args if args is not None else p.raw_arguments)
+    if disclosed is not None:
+        _disclosure(step, p, disclosed.data_class, disclosed.path)
         return Screen.STOP
     guard = guard_of(fired) if fired is not None else None
-    if guard is None:
-        return Screen.PASS
     watchdog = step.record.watchdog
-    rung = _climb(step, guard, _finding(watchdog.history, watchdog.config, guard), p)
+    finding = _finding(watchdog.history, watchdog.config, guard) if guard is not None else None
+    if guard is None:
+        # the model insists on a tool a constrain rung took away: the same detector's ladder climbs on
+        removed_by = guard_of(step.record.supervision.constrained.get(p.tool, ""))
+        if removed_by is None or step.record.grants.allows(p.tool):
+            return Screen.PASS
+        guard = removed_by
+        detail = f"{p.tool} proposed again after the {guard.value} watchdog took it away"
+        finding = WatchdogFinding(guard, 1, (), detail)
+    rung = _climb(step, guard, finding, p)
     if rung is not LadderRung.HOLD:
         return Screen.WITHHELD
     step.emit(StateChanged(S.CALLING_MODEL, S.READY, f"watchdog: {guard.value} hold"))
@@ -329,6 +351,24 @@ def _disclosure(step: Step, p: ToolCallProposal, data_class: str, path: str) -> 
             artifacts_of(step.record),
         )
     )
+
+
+def waiting_on_job(step: Step, tool: str, args: Mapping[str, Any] | None) -> bool:
+    """Whether a proposed call polls a job its last identical call reported as still running (a declared
+    ``waiting`` marker): legitimate repetition, exempt from the detectors (§12.6.1)."""
+    rule = _policy(step).progress.tools.get(tool)
+    if rule is None or not rule.waiting or args is None:
+        return False
+    rec = step.record
+    last = None
+    for ev in rec.transcript:
+        if isinstance(ev, ToolResultAccepted):
+            op = rec.operation_for_call(ev.call_id)
+            if op is not None and op.tool == tool and dict(op.arguments) == dict(args):
+                last = ev
+    if last is None or not isinstance(last.result, Mapping):
+        return False
+    return any(last.result.get(k) in values for k, values in rule.waiting.items())
 
 
 def artifacts_of(record: Any) -> tuple[str, ...]:

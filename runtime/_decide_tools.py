@@ -80,10 +80,11 @@ def _observe(step: Step, p: ToolCallProposal, args: Mapping[str, Any] | None) ->
         # an invalid call has no canonical arguments: its exact text is what repeats
         fingerprint = call_fingerprint(p.tool, {"raw_arguments": p.raw_arguments})
         coarse = None
-    watchdog_step = WatchdogStep(fingerprint, coarse, None)
+    waiting = supervise.waiting_on_job(step, p.tool, args)  # issue 12: polling a running job is exempt
+    watchdog_step = WatchdogStep(fingerprint, coarse, None, waiting)
     _, verdict = step.record.watchdog.observe(watchdog_step)
     fired = verdict.guard.value if verdict.fired and verdict.guard is not None else None
-    step.emit(CallObserved(p.call_id, p.tool, fingerprint, coarse, None, False, fired))
+    step.emit(CallObserved(p.call_id, p.tool, fingerprint, coarse, None, waiting, fired))
     return fired
 
 

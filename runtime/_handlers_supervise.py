@@ -86,12 +86,8 @@ def _hold_released(rec: TrajectoryRecord, ev: HoldReleased) -> TrajectoryRecord:
             return replace(rec, hold=replace(hold, incident_ids=left))
     if hold.kind is HoldKind.WATCHDOG:
         # a resumed trajectory starts a fresh window: the evidence stays in the log and the escalation
-        return replace(
-            rec,
-            hold=None,
-            watchdog=rec.watchdog.reset(),
-            supervision=replace(rec.supervision, ladder={}, progress=rec.supervision.progress.reset()),
-        )
+        sup = replace(rec.supervision, ladder={}, progress=rec.supervision.progress.reset(), constrained={})
+        return replace(rec, hold=None, watchdog=rec.watchdog.reset(), supervision=sup)
     return replace(rec, hold=None)
 
 
@@ -102,7 +98,11 @@ def _watchdog_fired(rec: TrajectoryRecord, ev: WatchdogFired) -> TrajectoryRecor
     fired = rec.supervision.ladder.get(ev.guard, 0)
     if ev.count != fired + 1:
         refuse(rec, ev, "ladder_out_of_order", f"{ev.guard} has fired {fired} time(s); next is {fired + 1}")
-    return _sup(rec, ladder={**rec.supervision.ladder, ev.guard: ev.count})
+    constrained = rec.supervision.constrained
+    removed = ev.evidence.get("removed")
+    if ev.rung == "constrain" and isinstance(removed, list | tuple):
+        constrained = {**constrained, **{str(t): ev.guard for t in removed}}
+    return _sup(rec, ladder={**rec.supervision.ladder, ev.guard: ev.count}, constrained=constrained)
 
 
 def _progress_observed(rec: TrajectoryRecord, ev: ProgressObserved) -> TrajectoryRecord:

@@ -160,8 +160,7 @@ class SupervisionState:
     incidents: tuple[str, ...] = ()
     children: Mapping[str, ChildState] = field(default_factory=dict)
     withheld: tuple[str, ...] = ()  # proposals supervision withheld (what was not done, for the result)
-    failures: Mapping[str, int] = field(default_factory=dict)  # "tool|error" -> repeats (verification)
-    noticed: frozenset[str] = frozenset()  # novelty / verification keys already escalated
+    constrained: Mapping[str, str] = field(default_factory=dict)  # tool a constrain rung removed -> detector
 
     def live_children(self) -> list[ChildState]:
         return [c for c in self.children.values() if c.live]
