@@ -77,6 +77,7 @@ __all__ = [
     "on_control",
     "on_dependency_refused",
     "open_escalation",
+    "reserve_reached",
     "screen",
     "waiting_on_job",
 ]
@@ -448,11 +449,15 @@ def degrade(step: Step, trigger: DegradeTrigger | str, detail: str, target: Rung
         return False
     if step.record.state is S.CALLING_MODEL:
         return False  # the reply in flight settles first; the boundary then ends it
-    if target is Rung.REFUSAL:
-        open_escalation(
-            step, EscalationTrigger.DEGRADED, f"refused honestly: {detail}", {"trigger": str(trigger)}
-        )
-    enter_finalizing(step, ExitReason.DEGRADED, f"degraded to {target.value}: {detail}")
+    return _end_degraded(step, target, str(trigger), detail)
+
+
+def _end_degraded(step: Step, rung: Rung, trigger: str, detail: str) -> bool:
+    """End on a degraded rung: a person is routed to the assisted plan and to an honest refusal."""
+    if rung in (Rung.ASSISTED, Rung.REFUSAL):
+        summary = f"degraded to {rung.value}: {detail}"
+        open_escalation(step, EscalationTrigger.DEGRADED, summary, {"trigger": trigger, "rung": rung.value})
+    enter_finalizing(step, ExitReason.DEGRADED, f"degraded to {rung.value}: {detail}")
     return True
 
 
@@ -474,7 +479,7 @@ def _degradation_triggers(step: Step) -> bool:
     in_reserve = (reserve.seconds > 0 and forward is not None and step.now >= forward) or (
         reserve.dollars > 0 and reserve.forward_dollars(rec.ceilings, rec.spend) <= 0
     )
-    if in_reserve and degrade(step, DegradeTrigger.FINALIZATION_RESERVE, "the finalization reserve"):
+    if in_reserve and reserve_reached(step):
         return True
     rec = step.record
     turns = ladder.constrained_turns
@@ -488,10 +493,28 @@ def _degradation_triggers(step: Step) -> bool:
     return False
 
 
+def reserve_reached(step: Step) -> bool:
+    """Forward work reached the finalization reserve (its time, or dollars it cannot spend). No forward
+    work runs in the reserve, so the result is what there is, on the rung the trigger asks for; True when
+    that ended the trajectory (no ladder declared: False, and the budget's own halt applies)."""
+    ladder = _policy(step).degradation
+    trigger = DegradeTrigger.FINALIZATION_RESERVE
+    target = ladder.target(trigger, step.record.supervision.rung)
+    if target is None:
+        return False
+    step.emit(RungChanged(target, trigger.value, "forward work reached the finalization reserve"))
+    return _end_degraded(step, target, trigger.value, "forward work reached the finalization reserve")
+
+
 def completion_exit(step: Step) -> ExitReason:
-    """An end of turn on the assisted rung is a plan for a person, not a completion claim."""
+    """An end of turn on the assisted rung is a plan for a person, not a completion claim: a person is
+    routed to it."""
     rung = step.record.supervision.rung
-    return ExitReason.DEGRADED if rung.level >= Rung.ASSISTED.level else ExitReason.COMPLETED
+    if rung.level < Rung.ASSISTED.level:
+        return ExitReason.COMPLETED
+    summary = "a plan for a person to apply (assisted rung)"
+    open_escalation(step, EscalationTrigger.DEGRADED, summary, {"rung": rung.value})
+    return ExitReason.DEGRADED
 
 
 # --------------------------------------------------------------------------- the turn boundary

@@ -288,6 +288,8 @@ def _request_turn(step: Step) -> bool:
     prompt = estimate_tokens(messages, tools)
     max_tokens = _affordable_max_tokens(step, prompt)
     if max_tokens is None:
+        if step.policy.reserve.dollars > 0 and supervise.reserve_reached(step):
+            return True  # issue 12: reaching the reserve is a degradation trigger, not a plain halt
         halt_unfundable(step)
         return True
     rec = step.record

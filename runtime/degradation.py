@@ -15,6 +15,7 @@ what was not, in the request's terms (operations by tool), and the next action.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -119,41 +120,75 @@ class DegradationPolicy:
         return below[0] if below else Rung.REFUSAL
 
 
+def _progress(record: TrajectoryRecord) -> tuple[list[str], list[str]]:
+    """(done, not done), one line per call the model proposed, in the request's terms."""
+    from runtime.events import (
+        ChildCancelled,
+        ChildSettled,
+        ObservationAppended,
+        ObservationKind,
+        ToolCallCancelled,
+        ToolCallTimedOut,
+        ToolResultAccepted,
+    )
+    from runtime.ports import Settlement
+
+    proposed: dict[str, str] = {}
+    why: dict[str, str | None] = {}  # call id -> None when done, else why not
+    for ev in record.transcript:
+        if isinstance(ev, ObservationAppended) and ev.observation is ObservationKind.ASSISTANT:
+            for call in ev.tool_calls:
+                proposed[call.call_id] = call.tool
+        elif isinstance(ev, ToolResultAccepted):
+            ok = ev.settlement is Settlement.ESTABLISHED and ev.error is None
+            why[ev.call_id] = None if ok else f"{ev.settlement.value}: {ev.error or 'no effect'}"[:160]
+        elif isinstance(ev, ObservationAppended) and ev.call_id is not None:
+            try:
+                body = json.loads(ev.content)
+            except ValueError:
+                body = {}
+            reason = body.get("reason", "refused") if isinstance(body, dict) else "refused"
+            why.setdefault(ev.call_id, f"not run: {reason}")
+        elif isinstance(ev, ToolCallTimedOut | ToolCallCancelled):
+            why.setdefault(ev.call_id, "in doubt: no result")
+        elif isinstance(ev, ChildSettled):
+            why[ev.call_id] = None if ev.verified else f"child failed its check: {ev.detail}"[:160]
+        elif isinstance(ev, ChildCancelled):
+            why.setdefault(ev.call_id, "child cancelled")
+    done = [f"{tool} ({cid})" for cid, tool in proposed.items() if cid in why and why[cid] is None]
+    not_done = [
+        f"{tool} ({cid}): {why.get(cid) or 'not executed'}"
+        for cid, tool in proposed.items()
+        if why.get(cid, "x") is not None
+    ]
+    return done, not_done
+
+
 def result_of(record: TrajectoryRecord) -> dict[str, Any]:
     """The trajectory's result with its rung and machine-readable completeness (§9.3)."""
-    from runtime.ports import Settlement
     from runtime.states import ExitReason, TrajectoryState
 
     rung = record.supervision.rung
-    done = sorted(
-        f"{op.tool} ({op.operation_id})"
-        for op in record.operations.values()
-        if op.settlement is Settlement.ESTABLISHED
-    )
-    not_done = sorted(
-        f"{op.tool} ({op.operation_id}): {'in doubt' if not op.settled else 'not applied'}"
-        for op in record.operations.values()
-        if op.settlement is not Settlement.ESTABLISHED
-    )
-    not_done += [f"{w}" for w in record.supervision.withheld]
+    done, not_done = _progress(record)
     completed = record.state is TrajectoryState.COMPLETED
-    if rung is Rung.REFUSAL:
-        status, next_action = "refused", "a person takes the request (see the escalation)"
-    elif completed and rung is Rung.FULL and not record.supervision.withheld:
-        status, next_action = "complete", "none"
+    if not record.is_terminal:
+        status, next_action = "in_progress", "wait for the trajectory to end"
+    elif rung is Rung.REFUSAL:
+        status, next_action = "refused", "a person takes the request (see its escalation)"
     elif rung is Rung.ASSISTED:
-        status, next_action = "partial", "a person applies the plan the agent prepared"
+        status, next_action = "partial", "a person applies the plan the agent prepared (see its escalation)"
     elif rung is Rung.DETERMINISTIC:
         status, next_action = "partial", "the deterministic answer covers the common case only"
-    elif not record.is_terminal:
-        status, next_action = "in_progress", "wait"
+    elif completed and rung is Rung.FULL and not not_done:
+        status, next_action = "complete", "none"
     elif completed:
-        status, next_action = "partial", "review what the constrained run could not do"
+        status, next_action = "partial", "review what was not done: it will not be retried automatically"
     else:
         status = "partial" if done else "failed"
         reason = record.exit_reason.value if record.exit_reason is not None else "unknown"
-        next_action = "queued for a person" if record.supervision.escalations else f"none: ended {reason}"
-        if record.exit_reason is ExitReason.KILLED or record.exit_reason is ExitReason.CANCELED:
+        queued = any(e.status.value != "resolved" for e in record.supervision.escalations.values())
+        next_action = "queued for a person (see its escalation)" if queued else f"abandoned: ended {reason}"
+        if record.exit_reason in (ExitReason.KILLED, ExitReason.CANCELED):
             next_action = "abandoned by an operator"
     out: dict[str, Any] = {
         "status": status,

@@ -196,19 +196,10 @@ def examples() -> list[Event]:
         ToolResultAccepted,
         WallClockMeasured,
     )
+    from runtime.degradation import Rung
     from runtime.events import (
         ApprovalVoted,
         CallObserved,
-        TimerCancelled,
-        TimerFired,
-        TimerStarted,
-        ToolCallQueued,
-        ToolCallWithdrawn,
-        TurnAbandoned,
-        TurnRequested,
-    )
-    from runtime.degradation import Rung
-    from runtime.events import (
         CallWithheld,
         ChildCancelled,
         ChildSettled,
@@ -221,6 +212,13 @@ def examples() -> list[Event]:
         IncidentOpened,
         ProgressObserved,
         RungChanged,
+        TimerCancelled,
+        TimerFired,
+        TimerStarted,
+        ToolCallQueued,
+        ToolCallWithdrawn,
+        TurnAbandoned,
+        TurnRequested,
         WatchdogFired,
     )
     from runtime.incident import HoldKind
