@@ -230,6 +230,7 @@ def plan_launches(
             hibernate_after_s=workload.hibernate_after_s,
             workspace_root=workspace_root,
             resources=workload.trajectory_resources,
+            supervision=workload.supervision,
         )
         planned.append((spec, launch))
     return planned
@@ -298,7 +299,10 @@ class Services:
             self._stack.callback(self.provider.stop)
             self.base_url = self.provider.base_url
         if any(t.source == ToolSource.TESTBED for t in wl.tools):
-            testbed = TestbedProcess(free_port()).start()
+            from testbed.tools.faults import FaultPlan
+
+            faults = {name: FaultPlan.model_validate(plan) for name, plan in wl.testbed_faults.items()}
+            testbed = TestbedProcess(free_port(), faults=faults).start()
             self._stack.callback(testbed.stop)
             self.testbed_address = testbed.address
         if self.options.address is None:
@@ -394,7 +398,20 @@ class Services:
         if wl.mcp_servers:
             self._start_mcp_hosts()
         scopes = sorted({t.guarded_scope(wl.mcp_servers) for t in wl.tools if t.source != ToolSource.BUILTIN})
-        handle = GuardHandle(metrics_backend=RayBackend)
+        policy = None
+        if wl.breaker is not None:  # issue 12: an example's outage trips a breaker in a few calls
+            from breakers.breaker import BreakerPolicy
+            from breakers.scope_guard import GuardPolicy
+
+            b = wl.breaker
+            breaker = BreakerPolicy(
+                window_size=b.window_size,
+                min_samples=b.min_samples,
+                trip_threshold=b.failure_threshold,
+                cooldown_s=b.cooldown_s,
+            )
+            policy = GuardPolicy(breaker=breaker)
+        handle = GuardHandle(policy=policy, metrics_backend=RayBackend)
         self.actor_handles.extend(handle.actor(scope) for scope in scopes)
 
     def _start_mcp_hosts(self) -> None:
