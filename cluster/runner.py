@@ -97,6 +97,15 @@ class TrajectoryResult:
     binding_dimension: str | None
     expected_state: str | None = None
     error: str | None = None
+    # issue 12: the result's rung and machine-readable completeness, and what supervision left behind
+    result: dict[str, Any] | None = None
+    escalations: dict[str, str] = field(default_factory=dict)  # escalation id -> trigger
+    children: dict[str, Any] = field(default_factory=dict)
+    spend: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rung(self) -> str:
+        return str((self.result or {}).get("rung", "full"))
 
     @property
     def as_expected(self) -> bool:
@@ -112,6 +121,10 @@ class TrajectoryResult:
             "tokens": self.tokens,
             "dollars": self.dollars,
             "binding_dimension": self.binding_dimension,
+            "rung": self.rung,
+            "result": self.result,
+            "escalations": dict(self.escalations),
+            "children": dict(self.children),
         }
 
 
@@ -121,6 +134,8 @@ class RunResult:
     provider: dict[str, int | None] = field(default_factory=lambda: {"requests": None, "rate_limited": None})
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # issue 12: escalations by trigger, incidents and the quarantine, read from the cluster at the end
+    supervision: dict[str, Any] = field(default_factory=dict)
 
     @property
     def unexpected(self) -> list[TrajectoryResult]:
@@ -130,15 +145,22 @@ class RunResult:
         """``{"summary": {...}, "trajectories": [...], "provider": {...}}`` exactly as issue 3 specifies."""
         states = Counter(r.state for r in self.results)
         reasons = Counter(r.exit_reason for r in self.results if r.exit_reason is not None)
+        rungs = Counter(r.rung for r in self.results)
+        statuses = Counter(str((r.result or {}).get("status", "unknown")) for r in self.results)
+        degraded = sum(n for rung, n in rungs.items() if rung != "full")
         return {
             "summary": {
                 "states": dict(sorted(states.items())),
                 "exit_reasons": dict(sorted(reasons.items())),
                 "tokens": sum(r.tokens for r in self.results),
                 "dollars": round(sum(r.dollars for r in self.results), 6),
+                "rungs": dict(sorted(rungs.items())),
+                "results": dict(sorted(statuses.items())),
+                "degraded_result_rate": round(degraded / len(self.results), 4) if self.results else 0.0,
             },
             "trajectories": [r.row() for r in self.results],
             "provider": dict(self.provider),
+            "supervision": dict(self.supervision),
         }
 
 
@@ -563,6 +585,7 @@ class Driver:
         # is stuck (never placed, or wedged), and the run reports it instead of waiting forever.
         self.deadline_grace_s = DEADLINE_GRACE_S
         self.handles: dict[str, Any] = {}
+        self.supervision: dict[str, Any] = {}
 
     async def run(
         self, on_progress: Progress | None = None, stop: threading.Event | None = None
@@ -590,6 +613,8 @@ class Driver:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self._sample_once(client, started, on_progress)
+        with contextlib.suppress(Exception):  # a view: a report without it says nothing rather than fail
+            self.supervision = await supervision_report(client)
         await client.aclose()
         return list(results)
 
@@ -657,6 +682,10 @@ class Driver:
             binding_dimension=summary.get("binding_dimension"),
             expected_state=spec.expected_state,
             error=error,
+            result=summary.get("result"),
+            escalations=dict(summary.get("escalations") or {}),
+            children=dict(summary.get("children") or {}),
+            spend=dict(summary.get("spend") or {}),
         )
 
     async def _until_woken(self, client: aioredis.Redis, trajectory_id: str, deadline_at: float) -> None:
@@ -695,6 +724,35 @@ class Driver:
         self.timeline.append((time.monotonic() - started, dict(counts)))
         if on_progress is not None:
             on_progress(dict(counts), len(self.launches))
+
+
+async def supervision_report(client: aioredis.Redis) -> dict[str, Any]:
+    """Escalations by trigger (open, overdue, all), incidents and the quarantine, as the run leaves them."""
+    from cluster.observe import supervision_counts
+    from cluster.supervision_store import RedisSupervisionStore
+
+    store = RedisSupervisionStore(client)
+    escalations = await store.escalations()
+    counts = supervision_counts(escalations, time.time())
+    by_trigger = Counter(str(e.get("trigger")) for e in escalations)
+    incidents = await store.incidents()
+    return {
+        "escalations": {
+            "by_trigger": dict(sorted(by_trigger.items())),
+            "open": {t: n for t, n in counts["open"].items() if n},
+            "overdue": {t: n for t, n in counts["overdue"].items() if n},
+        },
+        "incidents": [
+            {
+                "incident_id": d["incident_id"],
+                "status": d.get("status"),
+                "members": sorted(d.get("members", {})),
+                "artifacts": len(d.get("artifacts", [])),
+            }
+            for d in incidents
+        ],
+        "quarantined_artifacts": await store.quarantine_size(),
+    }
 
 
 def run_driver(
@@ -756,6 +814,7 @@ def run_driver(
         provider=services.provider_counts(),
         timeline=driver.timeline,
         elapsed_s=time.monotonic() - started,
+        supervision=driver.supervision,
     )
 
 

@@ -68,8 +68,19 @@ def test_shipped_config_and_rules_pass_promtool() -> None:
         ),
         ("max by (scope) (ray_tether_breaker_state) == 2", "max by (scope) (ray_tether_breaker_state) == 1"),
         ("tether:retry_ratio:ratio5m > 1.5\n", "tether:retry_ratio:ratio5m > 2.5\n"),
+        (
+            "sum by (trigger) (tether_escalations_overdue) > 0",
+            "sum by (trigger) (tether_escalations_open) > 0",
+        ),
+        ('rate(ray_tether_results_total{rung!="full"}[5m])', 'rate(ray_tether_results_total{rung="full"}[5m])'),
     ],
-    ids=["duplicate-effect-threshold", "breaker-open-state", "retry-ratio-threshold"],
+    ids=[
+        "duplicate-effect-threshold",
+        "breaker-open-state",
+        "retry-ratio-threshold",
+        "escalation-sla-overdue-not-open",
+        "degraded-results-rung",
+    ],
 )
 def test_control_a_broken_rule_fails_the_rule_unit_tests(tmp_path: Path, rule: str, broken: str) -> None:
     # Given a copy of the shipped rules with one rule broken, beside the shipped unit tests
