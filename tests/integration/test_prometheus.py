@@ -72,7 +72,10 @@ def test_shipped_config_and_rules_pass_promtool() -> None:
             "sum by (trigger) (tether_escalations_overdue) > 0",
             "sum by (trigger) (tether_escalations_open) > 0",
         ),
-        ('rate(ray_tether_results_total{rung!="full"}[5m])', 'rate(ray_tether_results_total{rung="full"}[5m])'),
+        (
+            'rate(ray_tether_results_total{rung!="full"}[5m])',
+            'rate(ray_tether_results_total{rung="full"}[5m])',
+        ),
     ],
     ids=[
         "duplicate-effect-threshold",
