@@ -252,10 +252,20 @@ def plan_launches(
             hibernate_after_s=workload.hibernate_after_s,
             workspace_root=workspace_root,
             resources=workload.trajectory_resources,
-            supervision=workload.supervision,
+            supervision=_supervision_of(workload, spec),
         )
         planned.append((spec, launch))
     return planned
+
+
+def _supervision_of(workload: Workload, spec: TrajectorySpec) -> Any:
+    """The workload's supervision, with the trajectory's own delegation template where it declares one."""
+    if spec.delegation is None:
+        return workload.supervision
+    from actors.supervision_config import SupervisionSpec
+
+    base = workload.supervision or SupervisionSpec()
+    return base.model_copy(update={"delegation": spec.delegation})
 
 
 def new_run_id(now: float) -> str:

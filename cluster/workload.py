@@ -44,7 +44,7 @@ from actors.contracts import (
     resolve_contract,
     testbed_contracts,
 )
-from actors.supervision_config import SupervisionSpec
+from actors.supervision_config import DelegationSpec, SupervisionSpec
 from actors.tools_local import builtin_tools
 from actors.tools_mcp.config import McpServerConfig
 from runtime.errors import InputError
@@ -289,6 +289,8 @@ class TrajectorySpec(_Strict):
     tenant: str = "default"
     completion_check: CompletionCheckSpec = CompletionCheckSpec()
     expected_state: Literal["COMPLETED", "FAILED", "CANCELED"] | None = None
+    # issue 12: this trajectory's own delegation template (instead of the workload's supervision.delegation)
+    delegation: DelegationSpec | None = None
 
     @field_validator("id")
     @classmethod
@@ -395,6 +397,7 @@ class Workload(_Strict):
         tool_names = {t.name for t in self.tools}
         if len(tool_names) != len(self.tools):
             raise ValueError("tool names must be unique")
+        declared_tools = set(tool_names)
         delegate = self.delegation_tool
         if delegate is not None:
             if delegate in tool_names:
@@ -435,9 +438,17 @@ class Workload(_Strict):
             if spec.priority_class not in self.classes:
                 declared = ", ".join(self.classes)
                 raise ValueError(f"{where}.class {spec.priority_class!r} is not declared ({declared})")
-            unknown = [g for g in spec.grants if g not in tool_names]
+            own = spec.delegation
+            allowed = tool_names | ({own.tool} if own is not None else set())
+            unknown = [g for g in spec.grants if g not in allowed]
             if unknown:
                 raise ValueError(f"{where}.grants names undeclared tools: {', '.join(unknown)}")
+            if own is not None:
+                if own.tool in declared_tools:
+                    raise ValueError(f"{where}.delegation.tool {own.tool!r} is also a declared tool")
+                unknown_child = [g for g in own.grants if g not in declared_tools]
+                if unknown_child:
+                    raise ValueError(f"{where}.delegation.grants names undeclared tools: {unknown_child}")
             checked = spec.completion_check.tool
             if spec.completion_check.kind == "tool_succeeded" and checked not in spec.grants:
                 raise ValueError(f"{where}.completion_check.tool {checked!r} is not in its grants")

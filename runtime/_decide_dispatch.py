@@ -162,7 +162,7 @@ def on_permit_refused(step: Step, inp: PermitRefused) -> None:
     withdraw(step, q.call_id, f"permit refused: {inp.reason}", body)
     from runtime._decide_supervise import on_dependency_refused
 
-    on_dependency_refused(step, inp.reason, inp.message)  # issue 12: a breaker open is a degradation trigger
+    on_dependency_refused(step, inp.reason, inp.message, q.tool)  # issue 12: a breaker open degrades
 
 
 def dispatch(step: Step, q: QueuedCall, guard: GuardPermit | None, sandbox: SandboxPermit | None) -> None:

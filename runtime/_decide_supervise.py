@@ -413,8 +413,15 @@ def _observe_progress(step: Step) -> bool:
 # --------------------------------------------------------------------------- degradation
 
 
-def degrade(step: Step, trigger: DegradeTrigger | str, detail: str, target: Rung | None = None) -> bool:
-    """Move down the ladder on ``trigger``; True when the trajectory left its state (it ended)."""
+def degrade(
+    step: Step,
+    trigger: DegradeTrigger | str,
+    detail: str,
+    target: Rung | None = None,
+    failing: frozenset[str] = frozenset(),
+) -> bool:
+    """Move down the ladder on ``trigger``; True when the trajectory left its state (it ended).
+    ``failing``: tools of the dependency whose breaker opened (the constrained rung does without them)."""
     ladder = _policy(step).degradation
     current = step.record.supervision.rung
     if target is None:
@@ -426,7 +433,7 @@ def degrade(step: Step, trigger: DegradeTrigger | str, detail: str, target: Rung
     text = ladder.deterministic_answer or "" if target is Rung.DETERMINISTIC else detail
     step.emit(RungChanged(target, str(trigger), text))
     if target is Rung.CONSTRAINED:
-        narrow(step, step.record.grants.tools, True, f"degraded to constrained: {detail}")
+        narrow(step, step.record.grants.tools - failing, True, f"degraded to constrained: {detail}")
         turns = ladder.constrained_turns
         left = f" You have {turns} more turn(s)." if turns is not None else ""
         step.emit(
@@ -461,10 +468,17 @@ def _end_degraded(step: Step, rung: Rung, trigger: str, detail: str) -> bool:
     return True
 
 
-def on_dependency_refused(step: Step, reason: str, message: str) -> None:
-    """A dependency's guard refused a call: a breaker open is a degradation trigger."""
-    if reason == "BreakerOpen" and not step.record.is_terminal:
-        degrade(step, DegradeTrigger.BREAKER_OPEN, message)
+def on_dependency_refused(step: Step, reason: str, message: str, tool: str) -> None:
+    """A dependency's guard refused a call: a breaker open is a degradation trigger, and the constrained
+    rung keeps read-only tools of the dependencies that still work (guide §9.2)."""
+    if reason != "BreakerOpen" or step.record.is_terminal:
+        return
+    registry = step.policy.registry
+    scope = registry.get(tool).dependency_scope if tool in registry else None
+    failing = frozenset(
+        t for t in step.record.grants.tools if t in registry and registry.get(t).dependency_scope == scope
+    )
+    degrade(step, DegradeTrigger.BREAKER_OPEN, message, failing=failing)
 
 
 def _degradation_triggers(step: Step) -> bool:
