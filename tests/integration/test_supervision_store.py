@@ -302,3 +302,35 @@ def test_the_escalation_queue_lists_overdue_ones_and_ack_transfers_custody(
 
 async def _no_sync(tid: str) -> None:
     return None
+
+
+async def test_the_driver_exports_open_and_overdue_escalations_sla_misses_incidents_and_the_quarantine(
+    redis: aioredis.Redis, redis_url: str
+) -> None:
+    from cluster.observe import RunObserver
+    from runtime.metrics import InMemoryBackend, Metrics
+
+    # Given an overdue guard escalation, one in time, an incident and two quarantined artifacts
+    store = RedisSupervisionStore(redis)
+    now = time.time()
+    for eid, trigger, due in (("e1", "guard", now - 60), ("e2", "novelty", now + 600)):
+        await store.publish_escalation(
+            {"escalation_id": eid, "trajectory_id": "t", "trigger": trigger, "status": "open",
+             "opened_at": now - 120, "due_at": due}
+        )  # fmt: skip
+    await store.update_incident(
+        "inc-1", lambda _: {"incident_id": "inc-1", "status": "open", "opened_at": now}
+    )
+    await store.quarantine(["note-1", "env-1"], "inc-1")
+    backend = InMemoryBackend()
+    observer = RunObserver(Metrics(backend), redis_url, trajectory_ids=[])
+    # When the driver polls twice
+    await observer.poll_once(redis)
+    await observer.poll_once(redis)
+    # Then the gauges say what is open and overdue, the SLA miss is counted once, and the store is visible
+    assert backend.value("tether_escalations_open", trigger="guard") == 1.0
+    assert backend.value("tether_escalations_overdue", trigger="guard") == 1.0
+    assert backend.value("tether_escalations_overdue", trigger="novelty") == 0.0
+    assert backend.value("tether_escalation_sla_missed", trigger="guard") == 1.0
+    assert backend.value("tether_incidents", status="open") == 1.0
+    assert backend.value("tether_quarantined_artifacts") == 2.0
