@@ -71,6 +71,11 @@ def queue_for_permit(
     approval_digest: str | None = None,
 ) -> None:
     """Queue a call for its permits and ask for them."""
+    if not step.record.grants.allows(tool):
+        # issue 12: the grant narrowed while this call waited (a hold's revocation, a degraded rung, a
+        # watchdog's constraint): it is not sent, and the model is told
+        refuse_call(step, call_id, refusal("NOT_GRANTED", f"{tool} is no longer granted; not sent"))
+        return
     contract = step.policy.registry.get(tool)
     request_id = step.new_id("permit")
     queued = ToolCallQueued(

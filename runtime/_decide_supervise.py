@@ -63,7 +63,7 @@ from runtime.incident import HoldKind, cleanup_tools, find_disclosure, member_me
 from runtime.inputs import ControlReceived
 from runtime.ports import Settlement, ToolCallProposal
 from runtime.progress import turn_progress
-from runtime.record import ApprovalDecision, ControlAction, TimerKind
+from runtime.record import ApprovalDecision, ControlAction, QueueStage, TimerKind
 from runtime.states import TERMINAL_STATES, ExitReason, TrajectoryState
 from runtime.supervision import LadderRung, OnHold, SupervisionPolicy, guard_of, json_safe
 from runtime.watchdog import Guard, WatchdogFinding, inspect
@@ -156,7 +156,8 @@ def narrow(step: Step, tools: frozenset[str], read_only: bool, reason: str) -> N
         read_only = rec.grants.read_only  # a read-only grant would strand cleanup: narrow the tool set only
     step.emit(GrantNarrowed(tools, read_only, rec.grants.subagents_allowed and not read_only, reason))
     for q in list(step.record.queued.values()):
-        if not step.record.grants.allows(q.tool):
+        # a probe is recovery, not model-directed work: it goes on (its answer settles the operation)
+        if q.stage is not QueueStage.PROBING and not step.record.grants.allows(q.tool):
             body = {"status": "REFUSED", "reason": "NOT_GRANTED", "message": f"Not sent: {reason}."}
             withdraw(step, q.call_id, f"grant narrowed: {reason}", body)
 
@@ -189,6 +190,8 @@ def _place_hold(
         step.do(CancelModelStream(f"{kind.value} hold"))
     elif rec.state is S.WAITING_TOOL:
         for q in list(rec.queued.values()):
+            if q.stage is QueueStage.PROBING:
+                continue  # result recovery of an earlier attempt goes on: it settles, it sends nothing new
             body = {"status": "REFUSED", "reason": "HELD", "message": f"Not sent: {reason}."}
             withdraw(step, q.call_id, f"not sent: {kind.value} hold", body)
     elif rec.state is S.AWAITING_APPROVAL and rec.held is not None:

@@ -183,6 +183,15 @@ def _follow(step: Step, call_id: str, tool: str, op: Operation, action: RetryAct
     queued = step.record.queued.get(call_id)
     args = queued.arguments if queued is not None else _arguments_of(step, op)
     contract = step.policy.registry.get(tool)
+    if not step.record.grants.allows(tool) and action in (RetryAction.RETRY, RetryAction.PROBE):
+        # issue 12: the grant narrowed (an incident, a degraded rung): nothing more is sent for this call;
+        # a probe still asks what became of the effect, since recovery is not model-directed work
+        if queued is not None:
+            step.emit(ToolCallWithdrawn(call_id, "grant narrowed: not retried"))
+        if action is RetryAction.PROBE and contract.probe:
+            deadline = step.now + step.policy.probe_timeout_s
+            step.do(ProbeTool(op.operation_id, tool, op.effect_key, deadline))
+        return
     if action is RetryAction.RETRY:
         request_id = step.new_id("retry")
         step.emit(ToolCallQueued(call_id, tool, args, QueueStage.BACKOFF, request_id, op.operation_id))

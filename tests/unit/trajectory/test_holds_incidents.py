@@ -223,3 +223,31 @@ def test_suspect_content_inducing_a_forbidden_proposal_opens_an_incident(
     (esc,) = escalations_of(sim, EscalationTrigger.INCIDENT)
     assert esc.evidence["incident"] == opened.incident_id
     assert [r["reason"] for r in sim.refusals()] == ["DISCLOSURE"]
+
+
+def test_a_revocation_while_a_call_is_being_recovered_sends_nothing_more() -> None:
+    # Given a provisioning call whose outcome is unknown: its probe is in flight when the incident arrives
+    from runtime.inputs import ProbeAnswered
+    from runtime.ports import OutcomeClass, ProbeResult, Settlement, ToolOutcome
+
+    def script(messages: Sequence[Mapping[str, Any]]) -> ModelReply:
+        return reply(("provision_env", {"name": "e1"})) if calls(messages) == 0 else done()
+
+    tools = frozenset({"provision_env", "release_env"})
+    sim = sim_for(script, supervised(), tools=tools)
+    sim.tools.behaviour["provision_env"] = lambda inv: ToolOutcome(
+        Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, error="UNAVAILABLE: reset"
+    )
+    sim.tools.probe_answers["provision_env"] = ProbeResult(
+        Settlement.ESTABLISHED_ABSENT, None, "never applied"
+    )
+    while sim.inputs and not isinstance(sim.inputs[0], ProbeAnswered):
+        sim.feed(sim.inputs.popleft())
+    assert sim.rec.queued and next(iter(sim.rec.queued.values())).stage.value == "probing"
+    # When an incident holds it and revokes provision_env, and then the probe says "never applied"
+    _hold(sim, revoke=["provision_env"])
+    rec = sim.run(until=sim.clock.wall() + 60)
+    # Then the retry the probe would have allowed is not sent (the grant is gone), the operation is settled
+    # by the probe's evidence, and the trajectory waits PAUSED under the hold
+    assert sim.tools.delivered("provision_env") == 1
+    assert rec.state is S.PAUSED and all(op.settled for op in rec.operations.values())
