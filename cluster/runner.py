@@ -441,6 +441,7 @@ class Services:
                 min_samples=b.min_samples,
                 trip_threshold=b.failure_threshold,
                 cooldown_s=b.cooldown_s,
+                max_cooldown_s=max(b.cooldown_s, BreakerPolicy().max_cooldown_s),
             )
             policy = GuardPolicy(breaker=breaker)
         handle = GuardHandle(policy=policy, metrics_backend=RayBackend)

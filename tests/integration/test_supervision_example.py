@@ -60,6 +60,7 @@ class Evidence:
     guard_escalation: dict[str, Any] = field(default_factory=dict)
     incident: dict[str, Any] = field(default_factory=dict)
     incident_opened: str = ""
+    incident_closing: str = ""
     held_after_incident: dict[str, TrajectoryStatus] = field(default_factory=dict)
     quarantined: dict[str, str] = field(default_factory=dict)
     ledger_before_reader: LedgerSnapshot | None = None
@@ -156,21 +157,25 @@ async def orchestrate(redis_url: str, testbed: str, keyring: Path, ev: Evidence)
         # 7. the held provisioners are cancelled: their FINALIZING runs their registered cleanup
         for name in ("provisioner-a", "provisioner-b"):
             await control.cancel(tid(name), issuer="operator", reason="contained: end it")
-        await control.kill(tid("looper"), issuer="operator", reason="loop reviewed")
-        for name in ("provisioner-a", "provisioner-b", "looper"):
+        for name in ("provisioner-a", "provisioner-b"):
             await wait_for(f"{name} to end", lambda n=name: state_is(n, *ENDED))  # type: ignore[misc]
         ev.ledger_at_end = await ledger.ledger()
-        # 8. the incident is released with its evidence and closed
+        # 8. the incident is released with its evidence and closed (the looper keeps the run going meanwhile,
+        #    so the run's report sees the incident closed)
         if incident_id:
-            await asyncio.to_thread(
+            released = await asyncio.to_thread(
                 lambda: runner.invoke(
                     app, ["incident", "release", incident_id, "--evidence", "note reviewed"]
                 )
             )
-            ev.incident = await store.incident(incident_id) or {}
-            await asyncio.to_thread(
+            closed = await asyncio.to_thread(
                 lambda: runner.invoke(app, ["incident", "close", incident_id, "--resolution", "false alarm"])
             )
+            ev.incident_closing = released.output + closed.output
+            ev.incident = await store.incident(incident_id) or {}
+        # 9. the looper, reviewed, is killed: the last trajectory ends and the run with it
+        await control.kill(tid("looper"), issuer="operator", reason="loop reviewed")
+        await wait_for("the looper to end", lambda: state_is("looper", *ENDED))
     except Exception as e:  # collected, so every judge below reports what it could see
         ev.errors.append(f"{type(e).__name__}: {e}")
         raise
@@ -260,6 +265,7 @@ def test_an_incident_on_a_tool_holds_its_users_and_quarantined_artifacts_are_ref
     assert incident["symptom"] != incident["suspected_cause"]
     assert set(incident["members"]) == {tid("provisioner-a"), tid("provisioner-b")}
     assert incident["releases"] and incident["releases"][0]["evidence"] == "note reviewed"
+    assert incident["status"] == "closed", evidence.incident_closing
 
 
 @pytest.mark.xfail(
@@ -298,12 +304,15 @@ def test_a_parent_and_its_three_children_never_spend_more_than_the_parent_has(ev
     own = {dim: parent.spend.get(dim, 0.0) - sum(c["spent"].get(dim, 0.0) for c in parent.children.values())
            for dim in ceilings}  # fmt: skip
     for dim, ceiling in ceilings.items():
+        print(f"\n{dim}: parent own {own[dim]:g} + children {children_spent[dim]:g} <= ceiling {ceiling:g}")
         assert own[dim] + children_spent[dim] <= ceiling, (dim, own[dim], children_spent[dim])
     # the parent was charged what its children really spent, read from their own records
-    assert parent.spend["dollars"] == pytest.approx(own["dollars"] + children_spent["dollars"], rel=1e-6)
+    # (the snapshots round dollars to 6 places)
+    assert parent.spend["dollars"] == pytest.approx(own["dollars"] + children_spent["dollars"], abs=1e-5)
 
 
 def test_killing_a_parent_ends_all_its_children_within_seconds(evidence: Evidence) -> None:
+    print(f"\nkill of the parent -> both children ended: {evidence.kill_to_children_ended_s:.2f} s")
     assert 0 <= evidence.kill_to_children_ended_s < 3.0, evidence.kill_to_children_ended_s
     for child in evidence.boss_children_after_kill.values():
         assert child.state == "FAILED" and child.exit_reason == "KILLED"
