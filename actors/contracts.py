@@ -341,7 +341,14 @@ def testbed_contracts() -> list[ToolContract]:
             repeat=RepeatContract.PROBE_THEN_RETRY,
             probe=True,
             dependency_scope="env-provisioner",
-            compensation=Compensation("release_env", from_result={"env_id": "env_id"}),
+            # A test environment is temporary: released on every exit, completion included, and released
+            # only when the endpoint's own record shows it released (probed by the release's effect key).
+            compensation=Compensation(
+                "release_env",
+                from_result={"env_id": "env_id"},
+                postcondition={"released": True},
+                on_completion=True,
+            ),
             target_keys=("tenant",),
         ),
         ToolContract(
@@ -350,6 +357,7 @@ def testbed_contracts() -> list[ToolContract]:
             arguments=ReleaseArgs,
             side_effect=SideEffect.IRREVERSIBLE,
             repeat=RepeatContract.IDEMPOTENT,
+            probe=True,  # the service answers probes by effect key: a release is verified against its record
             needs_approval=False,  # undoing spend needs nobody's permission
             dependency_scope="env-provisioner",
             target_keys=("env_id",),

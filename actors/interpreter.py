@@ -41,6 +41,7 @@ from runtime.effects import (
     Hibernate,
     KillProcesses,
     ProbeTool,
+    ReleaseLease,
     ReleasePermit,
     ReportLimits,
     RequestAdmission,
@@ -91,10 +92,10 @@ from runtime.ports import (
     ToolPort,
     Usage,
 )
-from runtime.record import Timer, TrajectoryRecord
+from runtime.record import Lease, Timer, TrajectoryRecord
 from runtime.states import TrajectoryState
 
-__all__ = ["Hooks", "Interpreter", "InterpreterPorts", "RunOutcome", "TimerPort"]
+__all__ = ["Hooks", "Interpreter", "InterpreterPorts", "LeasePort", "RunOutcome", "TimerPort"]
 
 _log = logging.getLogger(__name__)
 _WAITING = frozenset({TrajectoryState.PAUSED, TrajectoryState.AWAITING_APPROVAL})
@@ -116,6 +117,12 @@ class _NoHooks:
         return None
 
 
+class LeasePort(Protocol):
+    """Gives leases back when FINALIZING releases them (a workspace is torn down and removed)."""
+
+    async def release(self, lease: Lease) -> None: ...
+
+
 class TimerPort(Protocol):
     """Where durable timers are stored (``actors.ports.TimerStore``, over Redis)."""
 
@@ -135,6 +142,7 @@ class InterpreterPorts:
     clock: Clock
     guard: GuardPort = field(default_factory=NoGuard)
     timers: TimerPort | None = None  # None: durable timers live only as long as this process
+    leases: LeasePort | None = None  # None: leases are records only
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +378,8 @@ class Interpreter:
             await self._release(effect.guard, effect.sandbox, effect.outcome)
         elif isinstance(effect, CancelToolCall):
             await self._quietly(self.ports.tools.cancel(effect.tool, effect.effect_key), effect)
+        elif isinstance(effect, ReleaseLease) and self.ports.leases is not None:
+            await self._quietly(self.ports.leases.release(effect.lease), effect)
         return None
 
     async def _quietly(self, work: Coroutine[Any, Any, None], effect: Effect) -> None:

@@ -23,6 +23,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from runtime._decide_approval import hold
+from runtime._decide_cleanup import (
+    cleanup_timed_out,
+    is_cleanup,
+    on_cleanup_outcome,
+    on_cleanup_probe,
+    on_forward_settled,
+)
 from runtime._decide_dispatch import queue_for_permit, refusal, refuse_call, stop_requested
 from runtime._decide_finalize import enter_finalizing
 from runtime._step import Step
@@ -39,7 +46,7 @@ from runtime.events import (
 from runtime.fingerprint import call_fingerprint, coarse_fingerprint
 from runtime.inputs import ProbeAnswered, ToolOutcomeReceived
 from runtime.operations import Operation
-from runtime.ports import Settlement, ToolCallProposal
+from runtime.ports import OutcomeClass, Settlement, ToolCallProposal
 from runtime.record import QueueStage, TimerKind
 from runtime.retry import RetryAction, after_probe, decide_retry
 from runtime.states import ExitReason, TrajectoryState
@@ -132,6 +139,9 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
 
 
 def on_tool_outcome(step: Step, inp: ToolOutcomeReceived) -> None:
+    if is_cleanup(inp.call_id):
+        on_cleanup_outcome(step, inp)
+        return
     outcome = inp.outcome
     # the attempt's permits come back with it: released exactly once, its class recorded if it was sent
     if inp.guard is not None or inp.sandbox is not None:
@@ -143,13 +153,16 @@ def on_tool_outcome(step: Step, inp: ToolOutcomeReceived) -> None:
     charge = 0.0
     if pending is not None and pending.tool in step.policy.registry and inp.dispatched:
         charge = step.policy.registry.get(pending.tool).charge
-    result = on_tool_result(rec, inp.call_id, outcome, charge)  # invariant 1: accepted only if pending
-    step.emit(result)
-    if isinstance(result, LateResultDropped) or pending is None:
+    accepted = on_tool_result(rec, inp.call_id, outcome, charge)  # invariant 1: accepted only if pending
+    step.emit(accepted)
+    if isinstance(accepted, LateResultDropped) or pending is None:
         settle_late(step, inp)
         return
     contract = step.policy.registry.get(pending.tool)
     step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, inp.call_id))
+    if outcome.outcome_class is not OutcomeClass.INFRASTRUCTURE_FAILURE:
+        payload = outcome.result if outcome.outcome_class is OutcomeClass.SUCCESS else None
+        on_forward_settled(step, inp.operation_id, outcome.settlement, payload, "its reply")
     if not inp.dispatched:
         return  # refused locally before anything was sent: known absent, nothing to retry
     op = step.record.operations[inp.operation_id]
@@ -210,13 +223,19 @@ def settle_late(step: Step, inp: ToolOutcomeReceived) -> None:
     if any(q.operation_id == op.operation_id for q in step.record.queued.values()):
         return  # a retry or probe of this operation is under way: it decides
     if inp.outcome.settlement is not Settlement.UNKNOWN:
-        step.emit(OperationSettled(op.operation_id, inp.outcome.settlement, "late result"))
+        result = inp.outcome.result if inp.outcome.outcome_class is OutcomeClass.SUCCESS else None
+        step.emit(
+            OperationSettled(op.operation_id, inp.outcome.settlement, "late result", result, op.call_id)
+        )
+        on_forward_settled(step, op.operation_id, inp.outcome.settlement, result, "a late reply")
     elif op.tool in step.policy.registry and step.policy.registry.get(op.tool).probe:
         deadline = step.now + step.policy.probe_timeout_s
         step.do(ProbeTool(op.operation_id, op.tool, op.effect_key, deadline))
 
 
 def on_probe_answered(step: Step, inp: ProbeAnswered) -> None:
+    if on_cleanup_probe(step, inp):
+        return
     rec = step.record
     op = rec.operations.get(inp.operation_id)
     if op is None:
@@ -225,7 +244,11 @@ def on_probe_answered(step: Step, inp: ProbeAnswered) -> None:
     awaited = any(p.operation_id == op.operation_id for p in rec.pending_calls.values())
     if settlement is not Settlement.UNKNOWN and not op.settled and not awaited:
         detail = f"probe: {inp.result.detail}" if inp.result.detail else "probe"
-        step.emit(OperationSettled(op.operation_id, settlement, detail))
+        result = inp.result.result if settlement is Settlement.ESTABLISHED else None
+        # the probe's stored reply counts as the call's result: it binds the obligation and the model sees it
+        call_id = op.call_id if not op.cleanup_of else None
+        step.emit(OperationSettled(op.operation_id, settlement, detail, result, call_id))
+        on_forward_settled(step, op.operation_id, settlement, result, "a probe")
     q = step.record.queued.get(op.call_id)
     if (
         step.record.state is not S.WAITING_TOOL
@@ -256,4 +279,7 @@ def on_probe_answered(step: Step, inp: ProbeAnswered) -> None:
 def call_timed_out(step: Step, call_id: str) -> None:
     """A call's deadline passed: its id leaves the pending set (a later result is dropped and audited) and
     its operation is in doubt, owned by the trajectory. A timeout settles nothing."""
+    if is_cleanup(call_id):
+        cleanup_timed_out(step, call_id)
+        return
     step.emit(*(ev for ev in expired_calls(step.record, step.now) if ev.call_id == call_id))

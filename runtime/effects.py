@@ -20,6 +20,7 @@ Each line: the effect — what the interpreter does — the input its result bec
 - ``CancelTimer``       — disarms a timer — none
 - ``KillProcesses``     — kills the trajectory's sandboxed process groups at once — none
 - ``Hibernate``         — the actor exits; the record stays in Redis; timers and signals wake it — none
+- ``ReleaseLease``      — gives a lease back (a workspace is torn down and removed) — none
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from runtime.ports import (
     ToolInvocation,
     TurnRequest,
 )
-from runtime.record import Timer
+from runtime.record import Lease, Timer
 
 __all__ = [
     "AcquirePermit",
@@ -49,6 +50,7 @@ __all__ = [
     "Hibernate",
     "KillProcesses",
     "ProbeTool",
+    "ReleaseLease",
     "ReleasePermit",
     "ReportLimits",
     "RequestAdmission",
@@ -156,6 +158,11 @@ class Hibernate:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class ReleaseLease:
+    lease: Lease
+
+
 Effect: TypeAlias = (
     RequestAdmission
     | CallModel
@@ -171,5 +178,6 @@ Effect: TypeAlias = (
     | CancelTimer
     | KillProcesses
     | Hibernate
+    | ReleaseLease
 )
 """Any effect of the decider."""

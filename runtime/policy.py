@@ -51,6 +51,9 @@ class TrajectoryPolicy:
     system_prompt: str | None = None
     idle_hibernate_s: float | None = None  # waiting (paused, awaiting approval) longer than this: hibernate
     rng_seed: int = 0  # the decider's only source of randomness (backoff jitter)
+    escalation_owner: str = "operator"  # who receives the handoff packet and what is still owed
+    workspace: str | None = None  # the trajectory's sandbox workspace: a lease released in FINALIZING
+    credentials: tuple[str, ...] = ()  # credential leases the trajectory holds, released in FINALIZING
 
     def __post_init__(self) -> None:
         for name in ("tool_timeout_s", "probe_timeout_s", "approval_timeout_s", "model_backoff_base_s"):

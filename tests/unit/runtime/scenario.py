@@ -199,6 +199,13 @@ def examples() -> list[Event]:
     from runtime.events import (
         ApprovalVoted,
         CallObserved,
+        CleanupDispatched,
+        CleanupSettled,
+        HandoffWritten,
+        ObligationBound,
+        ObligationRegistered,
+        ObligationUpdated,
+        OperatorActed,
         TimerCancelled,
         TimerFired,
         TimerStarted,
@@ -207,6 +214,7 @@ def examples() -> list[Event]:
         TurnAbandoned,
         TurnRequested,
     )
+    from runtime.obligations import ObligationState
     from runtime.ports import GuardPermit, OutcomeClass, SandboxPermit, Settlement, ToolCallProposal
     from runtime.record import QueueStage, TimerKind
 
@@ -269,4 +277,16 @@ def examples() -> list[Event]:
             guard_permit=GuardPermit("g-1", "test-service", 2, False),
             sandbox_permit=SandboxPermit("s-1", "default", T0 + 60),
         ),
+        ObligationRegistered(
+            "obl-op-c2", "op-c2", "write_file", "delete_file", {"path": "a.txt"}, ("token",), ("run_tests",)
+        ),
+        ObligationBound("obl-op-c2", {"path": "a.txt", "token": "t-1"}, "delete_file:{}", "result of c2"),
+        ObligationUpdated("obl-op-c2", ObligationState.ADMITTING, "finalizing", request_id="permit-9"),
+        CleanupDispatched(
+            "obl-op-c2", "cop-obl-op-c2", "cop-obl-op-c2#a1", "ek-cop", "delete_file", {}, T0 + 30
+        ),
+        CleanupSettled("obl-op-c2", Settlement.ESTABLISHED, OutcomeClass.SUCCESS, {"deleted": True}),
+        HandoffWritten({"goal": "x", "pending": {"obligations": []}}),
+        OperatorActed("9-0", ControlAction.SETTLE, "op:alice", "op-c4", "checked by hand"),
+        OperationSettled("op-c5", Settlement.ESTABLISHED, "probe", {"env_id": "e-1"}, "c5", False),
     ]
