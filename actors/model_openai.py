@@ -350,6 +350,7 @@ class OpenAIModel:
         except asyncio.CancelledError:
             raise  # our own abort (cancel or deadline): complete() decides what it was
         except openai.RateLimitError as e:
+            state.status = e.status_code
             raise self._rate_limited(e) from e
         except openai.APIStatusError as e:
             raise self._status_failed(request, state, e) from e
@@ -364,11 +365,13 @@ class OpenAIModel:
         for choice in chunk.choices or ():
             delta = choice.delta
             carried = False
-            for text in (getattr(delta, "content", None), getattr(delta, "refusal", None)):
+            # ``delta.content`` read plainly: a delta that is no object (the SDK does not validate chunks)
+            # raises here, and the call fails naming this chunk instead of skipping it silently
+            for text in (delta.content, getattr(delta, "refusal", None)):
                 if text:
                     state.text.append(text)
                     carried = True
-            for tool_call in getattr(delta, "tool_calls", None) or ():
+            for tool_call in delta.tool_calls or ():
                 slot = state.calls.setdefault(tool_call.index, _CallSlot())
                 if tool_call.id:
                     slot.call_id = tool_call.id

@@ -24,7 +24,7 @@ import contextlib
 import email.utils
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -34,7 +34,6 @@ __all__ = ["GATEWAY_PREFIXES", "ParsedLimits", "parse_duration", "parse_rate_lim
 
 # Prefixes under which gateways forward the upstream provider's headers (LiteLLM: ``llm_provider-``).
 GATEWAY_PREFIXES: tuple[str, ...] = ("llm_provider-",)
-_RETRY_HEADERS: tuple[tuple[str, float], ...] = (("retry-after-ms", 1e-3), ("retry-after", 1.0))
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|h|m|s)")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _EPOCH_FLOOR = 1e9  # a "reset" this large is a timestamp, not a duration (2001-09-09)
@@ -76,57 +75,76 @@ def _parse_date(text: str) -> float | None:
     return None
 
 
-def _lookup(headers: Mapping[str, str], name: str) -> tuple[str, str] | None:
-    """``(header name as found, value)`` for ``name``, bare first, then under a gateway prefix."""
+def _candidates(headers: Mapping[str, str], name: str) -> list[tuple[str, str]]:
+    """``(header name as found, value)`` for ``name``: bare first, then under each gateway prefix."""
+    found = []
     for candidate in (name, *(prefix + name for prefix in GATEWAY_PREFIXES)):
         value = headers.get(candidate)
         if value is not None:
-            return candidate, value
-    return None
+            found.append((candidate, value))
+    return found
+
+
+def _seconds(raw: str, millis: bool, now_wall: float) -> float:
+    value = float(raw) / 1000.0 if millis else parse_duration(raw, now_wall)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(raw)
+    return value
+
+
+def _count(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(raw)
+    return value
 
 
 def parse_rate_limit(headers: Mapping[str, str], now_wall: float) -> ParsedLimits:
     """Everything the response's headers say about the server's limits (see the module docstring).
 
-    ``headers`` must be case-insensitive (httpx's ``Headers``) or already lower-cased."""
-    values: dict[str, float] = {}
+    ``headers`` must be case-insensitive (httpx's ``Headers``) or already lower-cased. For each value the
+    first readable header wins (bare before gateway-prefixed; for the retry hint, milliseconds first)."""
     unreadable: list[tuple[str, str]] = []
-    retry_after: float | None = None
-    hint_source: str | None = None
-    for name, scale in _RETRY_HEADERS:
-        found = _lookup(headers, name)
-        if found is None or retry_after is not None:
-            continue
-        header, raw = found
-        try:
-            seconds = float(raw) * scale if scale != 1.0 else parse_duration(raw, now_wall)
-            if not math.isfinite(seconds) or seconds < 0:
-                raise ValueError(raw)
-        except ValueError:
-            unreadable.append((header, raw))
-            continue
-        retry_after, hint_source = seconds, header
-    for field_name, header_name, is_duration in (
-        ("limit_requests", "x-ratelimit-limit-requests", False),
-        ("limit_tokens", "x-ratelimit-limit-tokens", False),
-        ("remaining_requests", "x-ratelimit-remaining-requests", False),
-        ("remaining_tokens", "x-ratelimit-remaining-tokens", False),
-        ("reset_requests_s", "x-ratelimit-reset-requests", True),
-        ("reset_tokens_s", "x-ratelimit-reset-tokens", True),
-    ):
-        found = _lookup(headers, header_name)
-        if found is None:
-            continue
-        header, raw = found
-        try:
-            number = parse_duration(raw, now_wall) if is_duration else float(raw)
-            if not math.isfinite(number) or number < 0:
-                raise ValueError(raw)
-        except ValueError:
-            unreadable.append((header, raw))
-            continue
-        values[field_name] = number
-    if retry_after is None and not values:
+
+    def first(names: list[tuple[str, str]], read: Callable[[str], float]) -> tuple[str, float] | None:
+        for header, raw in names:
+            try:
+                return header, read(raw)
+            except ValueError:
+                unreadable.append((header, raw))
+        return None
+
+    hint: tuple[str, float] | None = None
+    for prefix in ("", *GATEWAY_PREFIXES):
+        for name in ("retry-after-ms", "retry-after"):
+            raw = headers.get(prefix + name)
+            if raw is None or hint is not None:
+                continue
+            try:
+                hint = prefix + name, _seconds(raw, name.endswith("-ms"), now_wall)
+            except ValueError:
+                unreadable.append((prefix + name, raw))
+    values: dict[str, float] = {}
+    for field_name, header_name, is_duration in _LIMIT_HEADERS:
+        found = first(
+            _candidates(headers, header_name),
+            (lambda raw: _seconds(raw, False, now_wall)) if is_duration else _count,
+        )
+        if found is not None:
+            values[field_name] = found[1]
+    if hint is None and not values:
         return ParsedLimits(None, tuple(unreadable))
-    info = RateLimitInfo(retry_after_s=retry_after, hint_source=hint_source, **values)
+    info = RateLimitInfo(
+        retry_after_s=hint[1] if hint else None, hint_source=hint[0] if hint else None, **values
+    )
     return ParsedLimits(info, tuple(unreadable))
+
+
+_LIMIT_HEADERS: tuple[tuple[str, str, bool], ...] = (
+    ("limit_requests", "x-ratelimit-limit-requests", False),
+    ("limit_tokens", "x-ratelimit-limit-tokens", False),
+    ("remaining_requests", "x-ratelimit-remaining-requests", False),
+    ("remaining_tokens", "x-ratelimit-remaining-tokens", False),
+    ("reset_requests_s", "x-ratelimit-reset-requests", True),
+    ("reset_tokens_s", "x-ratelimit-reset-tokens", True),
+)
