@@ -15,13 +15,16 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import openai
 import pytest
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from actors.model_openai import CallObserved, ModelCallFailed, OpenAIModel, estimate_prompt_tokens
+from actors.provider_tally import RedisProviderTally, read_provider_tallies
 from cluster.redis_server import free_port
 from runtime.errors import DependencyError, ProviderRateLimited
 from runtime.ports import CancelToken, ModelRequest, StopReason, Usage
@@ -327,3 +330,28 @@ async def test_control_the_bare_sdk_lets_these_escape_as_foreign_exceptions(
     await client.close()
     assert type(info.value).__name__ == raw
     assert not isinstance(info.value, DependencyError | openai.APIError)
+
+
+async def test_the_redis_tally_sums_what_every_trajectorys_adapter_saw(base_url: str, redis_url: str) -> None:
+    # Given two trajectories' adapters publishing to the tally in Redis
+    tally = RedisProviderTally.from_url(redis_url)
+    adapter = OpenAIModel(base_url=base_url, scope="gateway", observer=tally)
+    # When they make calls that end every way
+    for trajectory, name in [("a", "ok"), ("a", "litellm_429"), ("b", "no_usage"), ("b", "html_502")]:
+        with contextlib.suppress(DependencyError):
+            await adapter.complete(replace(request(name), trajectory_id=trajectory), CancelToken())
+    await adapter.aclose()
+    await tally.aclose()
+    # Then the report's reader sums them per provider, from Redis
+    client = aioredis.Redis.from_url(redis_url)
+    seen = await read_provider_tallies(client, ["a", "b", "never-ran"])
+    await client.aclose()
+    assert seen == {
+        "gateway": {
+            "requests": 4,
+            "responses": {"200": 2, "429": 1, "502": 1},
+            "outcomes": {"reply": 2, "rate_limited": 1, "failed": 1},
+            "retry_hints": {"llm_provider-retry-after": 1},
+            "usage_estimated": 1,
+        }
+    }
