@@ -72,22 +72,19 @@ _UNREACHABLE = (
 
 
 def litellm_venv() -> Path:
-    """The cached environment with LiteLLM 1.108.x, installed on first use."""
+    """The cached environment with LiteLLM 1.108.x, installed on first use.
+
+    Installed under a private name and renamed into place once complete, so an interrupted install is never
+    taken for a finished one; it is only ever run through its ``bin/python`` (which, unlike the console
+    scripts, does not name the environment's path), so the rename is safe."""
     venv = Path(os.environ.get("TETHER_LITELLM_VENV") or Path(tempfile.gettempdir()) / "tether-litellm-1.108")
-    probe = [
-        str(venv / "bin" / "python"),
-        "-c",
-        "import litellm, importlib.metadata as m; print(m.version('litellm'))",
-    ]
-    if (venv / "bin" / "litellm").exists():
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=120)
-        if done.returncode == 0 and done.stdout.strip().startswith("1.108."):
-            return venv
-    partial = venv.with_name(venv.name + f".partial-{os.getpid()}")
+    if _litellm_version(venv).startswith("1.108."):
+        return venv
+    partial = venv.with_name(f"{venv.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(partial)], check=True, timeout=300)
     install = subprocess.run(
-        [str(partial / "bin" / "pip"), "install", "-q", LITELLM_SPEC],
+        [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", LITELLM_SPEC],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -98,12 +95,20 @@ def litellm_venv() -> Path:
         if any(marker in output for marker in _UNREACHABLE):
             pytest.skip(f"the package registry is unreachable, LiteLLM cannot be installed: {output[-400:]}")
         raise AssertionError(f"pip install {LITELLM_SPEC} failed:\n{output[-2000:]}")
-    # the scripts name the environment's path: install at the final path once the partial one worked
     shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", LITELLM_SPEC], check=True, timeout=1200)
-    shutil.rmtree(partial, ignore_errors=True)
+    partial.rename(venv)
+    version = _litellm_version(venv)
+    assert version.startswith("1.108."), f"installed LiteLLM {version!r}, wanted {LITELLM_SPEC}"
     return venv
+
+
+def _litellm_version(venv: Path) -> str:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return ""
+    probe = "import litellm, importlib.metadata as m; print(m.version('litellm'))"
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300)
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 @dataclass
