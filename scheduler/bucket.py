@@ -250,14 +250,15 @@ class ProviderLimiter:
 
     def _learn_from_headers(self, info: RateLimitInfo, now: float) -> None:
         changed = False
-        for stated, remaining, learned, ledger in (
-            (info.limit_requests, info.remaining_requests, self.learned_requests, self.request_window),
-            (info.limit_tokens, info.remaining_tokens, self.learned_tokens, self.token_window),
-        ):
-            if stated is not None:
-                changed |= learned.state(stated)
-            elif remaining is not None:
-                changed |= learned.bound(ledger.used(now) + remaining)
+        if info.limit_requests is not None:
+            changed |= self.learned_requests.state(info.limit_requests)
+        elif info.remaining_requests is not None:
+            changed |= self.learned_requests.bound(self.request_window.used(now) + info.remaining_requests)
+        # Tokens: only a stated limit. Providers count tokens their own way (OpenAI charges the prompt plus
+        # max_tokens when the request arrives), not the usage our ledger settles to, so our count is no
+        # upper bound of theirs and a bound inferred from it could starve the key.
+        if info.limit_tokens is not None:
+            changed |= self.learned_tokens.state(info.limit_tokens)
         if changed:
             self._resize(now)
 
@@ -273,11 +274,9 @@ class ProviderLimiter:
             and not (info.remaining_requests is not None and info.remaining_requests <= 0)
         )
         if tokens_ran_out:
-            changed = self.learned_tokens.bound(self.token_window.used(now))
-        else:
-            accepted = self.request_window.used(now) - len(self._rejections)
-            changed = self.learned_requests.bound(accepted)
-        if changed:
+            return  # a token 429 teaches no request limit; tokens are learned only from a stated limit
+        accepted = self.request_window.used(now) - len(self._rejections)
+        if self.learned_requests.bound(accepted):
             self._resize(now)
 
     @staticmethod

@@ -6,15 +6,19 @@ tokens) the limit the buckets use is the smallest of:
 - **configured**: the workload's ``ProviderLimits`` (an operator may want less than the provider allows);
 - **stated**: the provider's ``x-ratelimit-limit-*`` header, its own word. Used as soon as one response
   carries it; never exceeded;
-- **inferred**, when the provider states no limit, an upper bound of it from two kinds of evidence:
-  - a response's ``x-ratelimit-remaining-*`` = R: the provider counted at most our admissions in the
-    last window, so its limit is at most ``admitted_in_window + R``;
-  - a 429: the provider was full, having accepted at most what we admitted in the last window less what
-    it rejected there, so its limit is at most ``admitted_in_window - rejected_in_window``. The 429 is
-    charged to requests, or to tokens when the response said tokens ran out and requests did not.
+- **inferred** (requests only), when the provider states no limit, an upper bound of it from two kinds
+  of evidence:
+  - a response's ``x-ratelimit-remaining-requests`` = R: the provider counted at most our admissions in
+    the last window, so its limit is at most ``admitted_in_window + R``;
+  - a 429 (unless it said tokens ran out and requests did not): the provider was full, having accepted at
+    most what we admitted in the last window less what it rejected there, so its limit is at most
+    ``admitted_in_window - rejected_in_window``.
   Both are upper bounds as long as nobody else spends the key (another client makes us take less: our
   share). A 429 also counts against a stated limit: some servers admit fewer than they state (LiteLLM's
   router rejects the request that would reach its stated rpm).
+  Token limits are never inferred: a provider counts tokens its own way (OpenAI charges prompt plus
+  ``max_tokens`` on arrival), not the usage our ledger settles to, so our count bounds nothing. A token
+  429 still pauses the key and slows its refill (``ProviderLimiter.on_rate_limited``).
 
 An inferred limit only goes down; it is forgotten when the stated limit changes (the provider announced
 a new one) and when the scheduler restarts. Time-independent and pure: the caller passes the counts.

@@ -208,3 +208,24 @@ def test_capacity_keeps_the_headroom_but_never_below_one_request(
     limit: float, headroom: float, capacity: float
 ) -> None:
     assert capacity_below(limit, headroom) == pytest.approx(capacity)
+
+
+def test_a_token_429_pauses_the_key_but_never_shrinks_the_token_limit() -> None:
+    """Providers count tokens their own way (prompt + max_tokens on arrival), so our settled usage bounds
+    nothing: a token 429 must not turn queued turns into ones that can never fit."""
+    clock = FakeClock()
+    limits = ProviderLimits(tokens_per_minute=6_000, requests_per_minute=600, headroom=0.05)
+    core = SchedulerCore(SchedulerConfig(providers={KEY: limits}), clock, id_prefix="tok")
+    clock.advance(60.0)
+    core.submit_turn(TurnRequest("a", "standard", KEY, 100, clock.wall() + 600))
+    [grant] = core.tick()
+    assert isinstance(grant, Admitted)
+    core.settle_turn(grant.grant.grant_id, 40)
+    # When the provider answers 429 saying its tokens ran out
+    core.report_limits(KEY, RateLimitInfo(retry_after_s=0.5, remaining_tokens=0), rate_limited=True)
+    big = core.submit_turn(TurnRequest("b", "standard", KEY, 5_000, clock.wall() + 600))
+    # Then the token limit is still the configured one, and the big turn waits and is admitted
+    assert core.snapshot().lanes[KEY].limit_tokens == 6_000
+    while not (decisions := core.tick()):
+        clock.advance(1.0)
+    assert [(type(d), d.ticket) for d in decisions] == [(Admitted, big)]
