@@ -253,7 +253,7 @@ class OpenAIModel:
     async def _complete(
         self, request: ModelRequest, cancel: CancelToken, remaining: float, state: _Stream
     ) -> ModelReply:
-        call = asyncio.create_task(self._stream(request, remaining, state))
+        call = asyncio.create_task(self._stream(request, remaining, state, cancel))
         cancelled = asyncio.create_task(cancel.wait())
         expired = asyncio.create_task(self._clock.sleep(remaining))
         try:
@@ -325,7 +325,9 @@ class OpenAIModel:
                 )
         return parsed.info
 
-    async def _stream(self, request: ModelRequest, timeout: float, state: _Stream) -> ModelReply:
+    async def _stream(
+        self, request: ModelRequest, timeout: float, state: _Stream, cancel: CancelToken
+    ) -> ModelReply:
         headers = {TRAJECTORY_HEADER: request.trajectory_id}
         if scenario := request.metadata.get("scenario"):
             headers[SCENARIO_HEADER] = scenario
@@ -347,6 +349,10 @@ class OpenAIModel:
                 stream = await response.parse()
                 async for chunk in stream:
                     self._absorb(chunk, state)
+                    if cancel.cancelled:
+                        # chunks already buffered are read without yielding to the loop: stop here, so the
+                        # abort bills what had arrived when it was asked for, not what the buffer held
+                        break
         except asyncio.CancelledError:
             raise  # our own abort (cancel or deadline): complete() decides what it was
         except openai.RateLimitError as e:
@@ -356,6 +362,9 @@ class OpenAIModel:
             raise self._status_failed(request, state, e) from e
         except Exception as e:  # the transport, the SDK, or the stream's content: all are a failed call
             raise self._stream_failed(request, state, e) from e
+        if cancel.cancelled:
+            usage, _ = self._failed_usage(request, state)
+            raise ModelCallCancelled(cancel.reason or "cancelled", usage)
         return self._reply(request, state)
 
     def _absorb(self, chunk: Any, state: _Stream) -> None:

@@ -108,14 +108,6 @@ ERRORS: dict[str, tuple[int, str, dict[str, str]]] = {
         ),
         {"llm_provider-retry-after": "60", "content-type": "application/json"},
     ),
-    "date_429": (
-        429,
-        json.dumps({"error": {"message": "slow down"}}),
-        {
-            "Retry-After": email.utils.formatdate(time.time() + 30, usegmt=True),
-            "content-type": "application/json",
-        },
-    ),
     "html_502": (502, "<html><body>Bad Gateway</body></html>", {"content-type": "text/html"}),
     "bad_request": (
         400,
@@ -127,6 +119,12 @@ ERRORS: dict[str, tuple[int, str, dict[str, str]]] = {
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
     model = (await request.json())["model"]
+    if model == "date_429":  # dated when answered, as a server does
+        retry_at = email.utils.formatdate(time.time() + 30, usegmt=True)
+        body = json.dumps({"error": {"message": "slow down"}})
+        return await status_reply(
+            request, 429, body, {"Retry-After": retry_at, "content-type": "application/json"}
+        )
     if model in ERRORS:
         return await status_reply(request, *ERRORS[model])
     return await BEHAVIOURS[model](request)
