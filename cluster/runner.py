@@ -23,19 +23,21 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from actors.contracts import ServerHints
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
 from actors.provider_tally import read_provider_tallies, summed
 from actors.status import status_key
+from actors.tools_mcp.config import McpRoute
 from cluster.adapters import ClusterAdapters
 from cluster.embedded import REDIS_URL_ENV, redis_url_from_env, stop_embedded, tether_home
-from cluster.workload import ToolSource, TrajectorySpec, Workload
+from cluster.workload import ToolSource, TrajectorySpec, Workload, resolve_tool_contracts
 from runtime.errors import DependencyError
 from runtime.states import TrajectoryState
 
@@ -159,11 +161,15 @@ def plan_launches(
     created_at: float,
     keyring_path: str | None = None,
     workspace_root: str | None = None,
+    mcp_catalog: Mapping[str, Mapping[str, ServerHints]] | None = None,
+    base_dir: Path | None = None,
 ) -> list[tuple[TrajectorySpec, TrajectoryLaunch]]:
     """A launch per trajectory (``count`` templates expanded); ids are ``<run_id>.<id in the file>``.
 
     ``workspace_root``: where each trajectory's sandbox workspace lives (``<root>/<trajectory id>``);
-    None: no sandbox (tools that need one are refused).
+    None: no sandbox (tools that need one are refused). ``mcp_catalog``: what each MCP server listed at the
+    run's start (``Services.mcp_catalog``), from which MCP tools import their schemas. ``base_dir``: what a
+    stdio MCP server's relative ``cwd`` is relative to (default: this process's working directory).
     """
     provider = ProviderLaunch(
         base_url=base_url,
@@ -175,16 +181,23 @@ def plan_launches(
     )
     routes: dict[str, str] = {}
     local: list[str] = []
+    mcp_tools: dict[str, McpRoute] = {}
     for tool in workload.tools:
         if tool.source == ToolSource.BUILTIN:
             local.append(tool.name)
         elif tool.source == ToolSource.GRPC:
             assert tool.address is not None  # the schema requires it
             routes[tool.name] = tool.address
+        elif tool.source == ToolSource.MCP:
+            assert tool.server is not None  # the schema requires it
+            mcp_tools[tool.name] = McpRoute(server=tool.server, remote=tool.remote or tool.name)
         else:
             if testbed_address is None:
                 raise ValueError("testbed tools declared but no testbed address given")
             routes[tool.name] = testbed_address
+    contracts, _ = resolve_tool_contracts(workload, mcp_catalog)
+    base = base_dir or Path.cwd()
+    mcp_servers = {name: spec.config(base) for name, spec in workload.mcp_servers.items()}
     retry = RetryLaunch(**workload.retry.model_dump())
     planned = []
     for spec in workload.expanded():
@@ -211,6 +224,9 @@ def plan_launches(
             # every trajectory routes every declared tool; its grants decide what it may call
             tool_routes=routes,
             local_tools=tuple(local),
+            tool_contracts=contracts,
+            mcp_servers=mcp_servers,
+            mcp_tools=mcp_tools,
             use_scheduler=workload.scheduler,
             guard=workload.guard,
             retry=retry,
@@ -249,6 +265,7 @@ class Services:
         self.adapters = ClusterAdapters()  # actors.ports over Redis and the keyring, handed to every actor
         self.started_ray = False  # True when this run started its own local Ray (else it joined one)
         self.relay_handles: list[Any] = []
+        self.mcp_catalog: dict[str, Any] = {}  # MCP server -> its tools' hints, listed at start
         # Handles of the actors we created: a non-detached actor lives as long as its creator holds one.
         self.actor_handles: list[Any] = []
         self.scheduler_actor: Any = None  # the scheduler actor this run started or joined
@@ -373,16 +390,50 @@ class Services:
         self.scheduler_actor = scheduler.actor
 
     def _start_guards(self) -> None:
-        """Create the guard actor of every shared dependency scope from the driver, which then owns them
-        (an actor is owned by its creator: a guard created by a trajectory actor would die with it)."""
-        from actors.contracts import testbed_contracts
+        """Create the guard actor of every shared dependency scope, and the host actor of every MCP server,
+        from the driver, which then owns them (an actor is owned by its creator: one created by a trajectory
+        actor would die with it). Each MCP server's tools are listed here, once, at the run's start
+        (``mcp_catalog``): their schemas are imported into the launches, and a declared tool the server
+        does not offer stops the run before any trajectory starts."""
         from actors.metrics_ray import RayBackend
         from breakers.guard import GuardHandle
 
-        declared = {t.name for t in self.workload.tools if t.source != ToolSource.BUILTIN}
-        scopes = sorted({c.dependency_scope for c in testbed_contracts() if c.name in declared})
+        wl = self.workload
+        if wl.mcp_servers:
+            self._start_mcp_hosts()
+        scopes = sorted({t.guarded_scope(wl.mcp_servers) for t in wl.tools if t.source != ToolSource.BUILTIN})
         handle = GuardHandle(metrics_backend=RayBackend)
         self.actor_handles.extend(handle.actor(scope) for scope in scopes)
+
+    def _start_mcp_hosts(self) -> None:
+        import ray
+
+        from actors.tools_mcp.host import RayMcpHosts
+        from actors.tools_mcp.session import ToolListing
+
+        servers = self.workload.mcp_servers
+        hosts = RayMcpHosts({name: spec.config(Path.cwd()) for name, spec in servers.items()})
+        actors = {name: hosts.actor(name) for name in sorted(servers)}
+        self.actor_handles.extend(actors.values())
+        catalog: dict[str, dict[str, ServerHints]] = {}
+        for name, actor in actors.items():
+            limit = servers[name].connect_timeout_s
+            try:
+                listed: list[ToolListing] = ray.get(actor.list_tools.remote(limit), timeout=limit + 30.0)
+            except Exception as e:
+                cause = getattr(e, "cause", None) or e
+                raise DependencyError(
+                    f"MCP server {name!r} ({servers[name].describe()}): could not list its tools: {cause}",
+                    scope=servers[name].scope_name(name),
+                ) from e
+            catalog[name] = {
+                t.name: ServerHints(t.description, t.input_schema, t.read_only, t.destructive, t.idempotent)
+                for t in listed
+            }
+        self.mcp_catalog = catalog
+        _, notes = resolve_tool_contracts(self.workload, catalog)  # fails early, naming the tool
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
 
     def provider_counts(self, trajectory_ids: Sequence[str] = ()) -> dict[str, Any]:
         """What the run saw of its provider, from three places, each kept as it counted:
@@ -728,6 +779,7 @@ def run_driver(
         created_at=now,
         keyring_path=services.keyring_path,
         workspace_root=services.workspace_root,
+        mcp_catalog=services.mcp_catalog,
     )
     for _, launch in planned:
         save_launch(services.redis_url, launch)

@@ -23,7 +23,7 @@ import fcntl
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
@@ -362,6 +362,7 @@ class VerifiedMessage:
     message: ControlMessage
     signers: tuple[str, ...]
     roles: frozenset[Role]  # union of the signers' roles (for quorum policies)
+    signer_roles: Mapping[str, frozenset[Role]] = field(default_factory=dict)  # each signer's own roles
 
 
 class Verifier:
@@ -436,4 +437,4 @@ class Verifier:
         if seen(message.message_id, message.nonce):
             raise reject(RejectReason.REPLAYED, "message id or nonce already used")
         roles = frozenset().union(*(e.roles for e in entries.values()))
-        return VerifiedMessage(message, signers, roles)
+        return VerifiedMessage(message, signers, roles, {name: e.roles for name, e in entries.items()})

@@ -16,15 +16,23 @@ Model calls
   ``ModelCallIntent``     the admitted call is about to be sent (scheduler grant, ``max_tokens``, deadline)
   ``ModelCallSettled``    the reply ended with a stop reason; provider usage and its price are charged
   ``ModelCallCancelled``  the harness aborted the stream; billed usage is still charged, nothing is parsed
-  ``ModelCallFailed``     error or timeout; any billed usage is charged
+  ``ModelCallFailed``     error or timeout; any billed usage is charged (``rate_limited``: a 429, which is
+                          admission feedback: no failure counted, and the turn is given back)
+  ``TurnRequested``       the next turn asked the scheduler for admission (request id, estimate)
+  ``TurnAbandoned``       that request no longer stands (refused, superseded by control, actor restarted)
   ``ObservationAppended`` something the harness chose to put in the context (user/interrupt message, the
                           model's reply, a notice, a refusal for a call id, an error)
 Tools and approval
-  ``ToolCallHeld``        an irreversible call goes to escrow (call, digest, expiry, preconditions)
+  ``CallObserved``        a proposed call as the watchdog saw it (fingerprints), valid or not
+  ``ToolCallHeld``        an irreversible call goes to escrow (call, digest, expiry, quorum, roles)
+  ``ApprovalVoted``       one verified approval of the held digest (approvals accumulate to the quorum)
   ``ApprovalDecided``     approved / denied / expired, with the issuers that formed the decision
   ``ApprovalRechecked``   the pre-dispatch re-check (digest, preconditions, grant, budget) passed or not
+  ``ToolCallQueued``      an accepted call waits to be sent: for its permits, a retry backoff or a probe
+  ``ToolCallWithdrawn``   a queued call will not be sent (stop requested, breaker open, not admitted)
   ``ToolDispatchIntent``  intent before effect: call, effect key, operation and attempt ids, deadline,
-                          bounded liability, compensation template, repeat contract, approval digest
+                          bounded liability, compensation template, repeat contract, approval digest,
+                          the permits it holds
   ``ToolJobStarted``      a long-running call returned a job handle
   ``ToolResultAccepted``  a result for a still-pending call in WAITING_TOOL: settles the operation
   ``ToolCallTimedOut``    the deadline passed: the id leaves the pending set (this event is the timeout
@@ -34,6 +42,8 @@ Tools and approval
 Control and audit
   ``ControlRequested`` / ``ControlApplied``  recorded on arrival, applied at a turn boundary
   ``ControlRejected``     audit: a message refused (forged, replayed, expired, terminal trajectory, ...)
+Timers
+  ``TimerStarted`` / ``TimerFired`` / ``TimerCancelled``  a timer armed, fired (an input), or disarmed
   ``LateResultDropped``   audit: a result for a call that is not pending (never an accepted result)
 Budget, grants, pointers
   ``BudgetCharged``       additive charge per dimension (tool charges, sandbox seconds, ...)
@@ -53,7 +63,15 @@ from enum import StrEnum
 from typing import ClassVar, TypeAlias
 
 from runtime.budget import BudgetStage
-from runtime.ports import OutcomeClass, Settlement, StopReason, ToolCallProposal, Usage
+from runtime.ports import (
+    GuardPermit,
+    OutcomeClass,
+    SandboxPermit,
+    Settlement,
+    StopReason,
+    ToolCallProposal,
+    Usage,
+)
 from runtime.record import (
     ApprovalDecision,
     CallLimits,
@@ -61,7 +79,9 @@ from runtime.record import (
     Grants,
     JsonValue,
     LeaseKind,
+    QueueStage,
     TaskContract,
+    TimerKind,
 )
 from runtime.states import ExitReason, TrajectoryState
 
@@ -69,8 +89,10 @@ __all__ = [
     "EVENT_TYPES",
     "ApprovalDecided",
     "ApprovalRechecked",
+    "ApprovalVoted",
     "BudgetCharged",
     "BudgetStageChanged",
+    "CallObserved",
     "CompletionChecked",
     "ControlApplied",
     "ControlRejected",
@@ -91,13 +113,20 @@ __all__ = [
     "PointerMoved",
     "PointerName",
     "StateChanged",
+    "TimerCancelled",
+    "TimerFired",
+    "TimerStarted",
     "ToolCallCancelled",
     "ToolCallHeld",
+    "ToolCallQueued",
     "ToolCallTimedOut",
+    "ToolCallWithdrawn",
     "ToolDispatchIntent",
     "ToolJobStarted",
     "ToolResultAccepted",
     "TrajectoryCreated",
+    "TurnAbandoned",
+    "TurnRequested",
     "TurnStarted",
     "WallClockMeasured",
 ]
@@ -199,6 +228,28 @@ class CompletionChecked:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnRequested:
+    kind: ClassVar[str] = "turn_requested"
+    request_id: str
+    estimated_tokens: int  # prompt estimate + max_tokens: what admission reserves
+    max_tokens: int
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        _id(self.request_id, "request_id")
+        _check(self.max_tokens > 0, "max_tokens must be > 0")
+        _check(self.prompt_tokens >= 0, "prompt_tokens must be >= 0")
+        _check(self.estimated_tokens >= self.max_tokens, "the estimate includes max_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnAbandoned:
+    kind: ClassVar[str] = "turn_abandoned"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TurnStarted:
     kind: ClassVar[str] = "turn_started"
     turn: int
@@ -230,6 +281,7 @@ class ModelCallSettled:
     stop_reason: StopReason
     usage: Usage
     dollars: float
+    usage_estimated: bool = False  # the provider reported no usage: metered from the adapter's estimate
 
     def __post_init__(self) -> None:
         _check(self.stop_reason is not StopReason.CANCELED, "an aborted stream is ModelCallCancelled")
@@ -256,6 +308,7 @@ class ModelCallFailed:
     retryable: bool
     usage: Usage = field(default_factory=Usage)
     dollars: float = 0.0
+    rate_limited: bool = False
 
     def __post_init__(self) -> None:
         _usage(self.usage)
@@ -285,6 +338,22 @@ class ObservationAppended:
 
 
 @dataclass(frozen=True, slots=True)
+class CallObserved:
+    """A proposed call as the watchdog saw it, before anything else happened to it: fingerprints of the
+    exact call and of its (tool, target) pair, the task-state digest when one is captured. Locally rejected
+    calls are observed too: an invalid call repeated every turn is a loop like any other."""
+
+    kind: ClassVar[str] = "call_observed"
+    call_id: str
+    tool: str
+    call_fingerprint: str
+    coarse_fingerprint: str | None = None
+    state_digest: str | None = None
+    waiting_on_job: bool = False
+    fired: str | None = None  # the detector that fired on this step (evidence; the step is recorded anyway)
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallHeld:
     kind: ClassVar[str] = "tool_call_held"
     call_id: str
@@ -293,12 +362,30 @@ class ToolCallHeld:
     digest: str
     expires_at: float
     preconditions: Mapping[str, JsonValue] = field(default_factory=dict)
+    requested_at: float = 0.0
+    quorum: int = 1
+    required_roles: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         _id(self.call_id, "call_id")
         _id(self.tool, "tool")
         _id(self.digest, "digest")
         _time(self.expires_at, "expires_at")
+        _time(self.requested_at, "requested_at")
+        _check(self.quorum >= 1, "quorum must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalVoted:
+    kind: ClassVar[str] = "approval_voted"
+    digest: str
+    issuer: str
+    roles: frozenset[str]
+    at: float
+
+    def __post_init__(self) -> None:
+        _id(self.issuer, "issuer")
+        _time(self.at, "at")
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +422,29 @@ class ApprovalRechecked:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallQueued:
+    kind: ClassVar[str] = "tool_call_queued"
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    stage: QueueStage
+    request_id: str
+    operation_id: str | None = None
+    approval_digest: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("call_id", "tool", "request_id"):
+            _id(getattr(self, name), name)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallWithdrawn:
+    kind: ClassVar[str] = "tool_call_withdrawn"
+    call_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolDispatchIntent:
     kind: ClassVar[str] = "tool_dispatch_intent"
     call_id: str
@@ -348,6 +458,8 @@ class ToolDispatchIntent:
     compensation: str | None = None
     repeat_safe: bool = False
     approval_digest: str | None = None
+    guard_permit: GuardPermit | None = None
+    sandbox_permit: SandboxPermit | None = None
 
     def __post_init__(self) -> None:
         for name in ("call_id", "tool", "effect_key", "operation_id", "attempt_id"):
@@ -435,8 +547,13 @@ class ControlRequested:
 
 @dataclass(frozen=True, slots=True)
 class ControlApplied:
+    """A recorded request was applied, or (``refused`` set) recorded and then refused when applied: an
+    approval naming a stale digest is audited and changes nothing else."""
+
     kind: ClassVar[str] = "control_applied"
     message_id: str
+    refused: str | None = None
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +581,35 @@ class LateResultDropped:
 
     def __post_init__(self) -> None:
         _id(self.reason, "reason")
+
+
+# --------------------------------------------------------------------------- timers
+
+
+@dataclass(frozen=True, slots=True)
+class TimerStarted:
+    kind: ClassVar[str] = "timer_started"
+    timer_id: str
+    timer_kind: TimerKind
+    due_at: float
+    subject: str = ""
+
+    def __post_init__(self) -> None:
+        _id(self.timer_id, "timer_id")
+        _check(not any(c.isspace() for c in self.timer_id), "timer_id must not contain spaces")
+        _time(self.due_at, "due_at")
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    kind: ClassVar[str] = "timer_fired"
+    timer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TimerCancelled:
+    kind: ClassVar[str] = "timer_cancelled"
+    timer_id: str
 
 
 # --------------------------------------------------------------------------- budget, grants, pointers
@@ -544,15 +690,21 @@ Event: TypeAlias = (
     TrajectoryCreated
     | StateChanged
     | CompletionChecked
+    | TurnRequested
+    | TurnAbandoned
     | TurnStarted
     | ModelCallIntent
     | ModelCallSettled
     | ModelCallCancelled
     | ModelCallFailed
     | ObservationAppended
+    | CallObserved
     | ToolCallHeld
+    | ApprovalVoted
     | ApprovalDecided
     | ApprovalRechecked
+    | ToolCallQueued
+    | ToolCallWithdrawn
     | ToolDispatchIntent
     | ToolJobStarted
     | ToolResultAccepted
@@ -564,6 +716,9 @@ Event: TypeAlias = (
     | ControlApplied
     | ControlRejected
     | LateResultDropped
+    | TimerStarted
+    | TimerFired
+    | TimerCancelled
     | BudgetCharged
     | WallClockMeasured
     | BudgetStageChanged
@@ -580,15 +735,21 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         TrajectoryCreated,
         StateChanged,
         CompletionChecked,
+        TurnRequested,
+        TurnAbandoned,
         TurnStarted,
         ModelCallIntent,
         ModelCallSettled,
         ModelCallCancelled,
         ModelCallFailed,
         ObservationAppended,
+        CallObserved,
         ToolCallHeld,
+        ApprovalVoted,
         ApprovalDecided,
         ApprovalRechecked,
+        ToolCallQueued,
+        ToolCallWithdrawn,
         ToolDispatchIntent,
         ToolJobStarted,
         ToolResultAccepted,
@@ -600,6 +761,9 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         ControlApplied,
         ControlRejected,
         LateResultDropped,
+        TimerStarted,
+        TimerFired,
+        TimerCancelled,
         BudgetCharged,
         WallClockMeasured,
         BudgetStageChanged,

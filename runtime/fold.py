@@ -44,9 +44,11 @@ from runtime.events import (
     StateChanged,
     TrajectoryCreated,
 )
+from runtime.policy import TrajectoryPolicy
 from runtime.record import Pointers, TrajectoryRecord
 from runtime.states import TERMINAL_STATES, TrajectoryState
 from runtime.transitions import transition
+from runtime.watchdog import WatchdogState
 
 __all__ = [
     "AFTER_TERMINAL_KINDS",
@@ -77,8 +79,9 @@ _HANDLERS: Mapping[type, Handler] = {
 }
 
 
-def start(event: TrajectoryCreated) -> TrajectoryRecord:
-    """The record of a newly created trajectory, in READY."""
+def start(event: TrajectoryCreated, policy: TrajectoryPolicy | None = None) -> TrajectoryRecord:
+    """The record of a newly created trajectory, in READY, governed by ``policy`` (defaults without one)."""
+    policy = policy if policy is not None else TrajectoryPolicy()
     return TrajectoryRecord(
         trajectory_id=event.trajectory_id,
         parent_id=event.parent_id,
@@ -110,6 +113,8 @@ def start(event: TrajectoryCreated) -> TrajectoryRecord:
         audit=(),
         seen_control_ids=frozenset(),
         applied_control_ids=frozenset(),
+        watchdog=WatchdogState(policy.watchdog),
+        policy=policy,
     )
 
 
@@ -129,7 +134,7 @@ def apply(record: TrajectoryRecord, event: Event) -> TrajectoryRecord:
     return replace(updated, log_position=record.log_position + 1)
 
 
-def fold(events: Iterable[Event]) -> TrajectoryRecord:
+def fold(events: Iterable[Event], policy: TrajectoryPolicy | None = None) -> TrajectoryRecord:
     """Rebuild the record from a log. Raises ``InvalidLog`` (an ``InputError``) naming the entry index when
     the log does not start with ``TrajectoryCreated`` or holds an event ``apply`` refuses."""
     record: TrajectoryRecord | None = None
@@ -139,7 +144,7 @@ def fold(events: Iterable[Event]) -> TrajectoryRecord:
                 raise InvalidLog(
                     f"the first event must be trajectory_created, got {event.kind}", where="event[0]"
                 )
-            record = start(event)
+            record = start(event, policy)
             continue
         try:
             record = apply(record, event)

@@ -63,7 +63,9 @@ def _release_approved(rec: TrajectoryRecord, ev: StateChanged) -> str | None:
 
 
 def _nothing_pending(rec: TrajectoryRecord, _: StateChanged) -> str | None:
-    return "calls_pending" if rec.pending_calls else None
+    if rec.pending_calls:
+        return "calls_pending"
+    return "calls_queued" if rec.queued else None
 
 
 def _budget_left(rec: TrajectoryRecord, _: StateChanged) -> str | None:
@@ -133,6 +135,7 @@ def transition(record: TrajectoryRecord, event: StateChanged) -> TrajectoryRecor
         changes["model_call"] = None  # one call per CALLING_MODEL episode
     if src in (S.AWAITING_APPROVAL, S.WAITING_TOOL) and dst is not S.WAITING_TOOL:
         changes["held"] = None  # withdrawn: it can only come back through a new hold and approval
+        changes["queued"] = {}  # nothing queued was sent: it can only come back as a new proposal
     if dst is S.FINALIZING:
         changes["exit_reason"] = event.exit_reason
         changes["check_passed"] = None
