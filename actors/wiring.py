@@ -25,6 +25,7 @@ from actors.interpreter import InterpreterPorts, TimerPort
 from actors.launch import TrajectoryLaunch
 from actors.model_openai import OpenAIModel
 from actors.ports import ClosableLogStore
+from actors.provider_tally import RedisProviderTally
 from actors.sandbox import Sandbox
 from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
@@ -254,10 +255,13 @@ def build_ports(
     closers: list[Closer] = []
     log = logs.open_log(launch.redis_url)
     closers.append(log.close)
+    tally = RedisProviderTally.from_url(launch.redis_url)  # what this adapter saw, per status, for the report
+    closers.append(tally.aclose)
     model = OpenAIModel(
         base_url=launch.provider.base_url,
         api_key=env.get(launch.provider.api_key_env) or "tether-unused",
         clock=clock,
+        observer=tally,
     )
     closers.append(model.aclose)
     routes: dict[str, ToolPort] = {}
