@@ -19,6 +19,7 @@ operations and obligations in any state, terminal included (liability outlives t
 
 from __future__ import annotations
 
+from runtime._decide_commit import commit_pivot
 from runtime._step import Step
 from runtime.effects import AcquirePermit, DispatchTool, ProbeTool, ReleasePermit
 from runtime.events import (
@@ -117,7 +118,10 @@ def register(step: Step, contract: ToolContract, operation_id: str, arguments: d
 def on_forward_settled(
     step: Step, operation_id: str, settlement: Settlement, result: object, evidence: str
 ) -> None:
-    """Correlated evidence about a forward effect binds (or discharges) its obligation."""
+    """Correlated evidence about a forward effect binds (or discharges) its obligation; an established
+    pivot commits its region and stages its duties in the same batch."""
+    if settlement is Settlement.ESTABLISHED and operation_id in step.record.operations:
+        commit_pivot(step, step.record.operations[operation_id], result)
     ob = step.record.obligations.get(obligation_id_for(operation_id))
     if (
         ob is None

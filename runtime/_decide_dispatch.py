@@ -22,6 +22,7 @@ from runtime._decide_cleanup import (
     on_cleanup_permit_refused,
     register,
 )
+from runtime._decide_commit import pivot_refusal
 from runtime._decide_finalize import withdraw
 from runtime._step import STOPS, Step
 from runtime.admission import AdmissionCandidate, AdmissionContext, OperationKind, check_admission
@@ -108,6 +109,9 @@ def _admissionrefusal(step: Step, q: QueuedCall) -> str | None:
     message, or None when admitted. Forward work cannot spend the finalization reserve."""
     rec = step.record
     contract = step.policy.registry.get(q.tool)
+    blocked = pivot_refusal(step, contract, q.operation_id)
+    if blocked is not None:
+        return blocked
     deadline = None
     if rec.deadline is not None:
         try:

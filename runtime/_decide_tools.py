@@ -30,6 +30,7 @@ from runtime._decide_cleanup import (
     on_cleanup_probe,
     on_forward_settled,
 )
+from runtime._decide_commit import repair_attempt, repair_failed, repair_succeeded
 from runtime._decide_dispatch import queue_for_permit, refusal, refuse_call, stop_requested
 from runtime._decide_finalize import enter_finalizing
 from runtime._step import Step
@@ -100,9 +101,15 @@ def _needs_approval(step: Step, tool: str) -> bool:
 def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
     """CALLING_MODEL with a tool_use reply appended: validate, watch, then hold, queue, or back to READY."""
     valid: list[tuple[ToolCallProposal, dict[str, Any]]] = []
+    exhausted = False
     for p in proposals:
         args, problem = _validate(step, p)
         fired = _observe(step, p, args)
+        capped = repair_attempt(step, p.tool) if p.tool in step.policy.registry else None
+        if capped is not None:
+            args, problem, exhausted = None, refusal("REPAIR_EPISODE_EXHAUSTED", capped), True
+        elif problem is not None and problem.get("reason") == "INVALID_ARGUMENTS":
+            repair_failed(step, p.tool, "its arguments were rejected before dispatch")
         if problem is not None:
             refuse_call(step, p.call_id, problem)
         if fired is not None:
@@ -111,6 +118,14 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
             return
         if args is not None:
             valid.append((p, args))
+    if exhausted:
+        # the recovery budget is spent: no automatic path remains, so a person inspects (§12.4.4)
+        for p, _ in valid:
+            body = {"status": "REFUSED", "reason": "DEFERRED", "message": "Paused for inspection; not sent."}
+            refuse_call(step, p.call_id, body)
+        step.emit(StateChanged(S.CALLING_MODEL, S.READY, "repair episode exhausted"))
+        step.emit(StateChanged(S.READY, S.PAUSED, "repair episode exhausted: awaiting operator inspection"))
+        return
 
     stop = stop_requested(step)
     if stop is not None and valid:
@@ -163,6 +178,10 @@ def on_tool_outcome(step: Step, inp: ToolOutcomeReceived) -> None:
     if outcome.outcome_class is not OutcomeClass.INFRASTRUCTURE_FAILURE:
         payload = outcome.result if outcome.outcome_class is OutcomeClass.SUCCESS else None
         on_forward_settled(step, inp.operation_id, outcome.settlement, payload, "its reply")
+    if outcome.outcome_class is OutcomeClass.CLIENT_REJECTION and inp.dispatched:
+        repair_failed(step, pending.tool, f"the endpoint rejected it: {outcome.error or 'client rejection'}")
+    elif outcome.settlement is Settlement.ESTABLISHED and outcome.outcome_class is OutcomeClass.SUCCESS:
+        repair_succeeded(step, pending.tool)
     if not inp.dispatched:
         return  # refused locally before anything was sent: known absent, nothing to retry
     op = step.record.operations[inp.operation_id]

@@ -22,11 +22,13 @@ from runtime.events import (
     ObligationRegistered,
     ObligationUpdated,
     OperatorActed,
+    RepairEpisodeChanged,
 )
 from runtime.obligations import Obligation, ObligationState
 from runtime.operations import Operation, settle
 from runtime.ports import Settlement
 from runtime.record import AuditKind, TrajectoryRecord
+from runtime.repair import EpisodeState, RepairEpisode
 from runtime.states import TrajectoryState
 
 S = TrajectoryState
@@ -56,7 +58,8 @@ def _registered(rec: TrajectoryRecord, ev: ObligationRegistered) -> TrajectoryRe
         after=ev.after,
         on_completion=ev.on_completion,
         postcondition=dict(ev.postcondition),
-        evidence=("registered before dispatch",),
+        evidence=("registered before dispatch" if ev.duty == "compensation" else "staged in the outbox",),
+        duty=ev.duty,
     )
     return replace(rec, obligations=with_item(rec.obligations, ob.obligation_id, ob))
 
@@ -160,6 +163,16 @@ def _handoff(rec: TrajectoryRecord, ev: HandoffWritten) -> TrajectoryRecord:
     return replace(rec, handoff=dict(ev.packet))
 
 
+def _repair(rec: TrajectoryRecord, ev: RepairEpisodeChanged) -> TrajectoryRecord:
+    current = rec.repairs.get(ev.tool)
+    if current is not None and current.state is EpisodeState.OPEN and current.episode_id != ev.episode_id:
+        refuse(rec, ev, "episode_open", f"episode {current.episode_id!r} of {ev.tool!r} is still open")
+    if current is not None and current.episode_id == ev.episode_id and ev.attempts < current.attempts:
+        refuse(rec, ev, "attempts_never_decrease", "an attempt is counted at admission and stays counted")
+    episode = RepairEpisode(ev.episode_id, ev.tool, ev.state, ev.attempts, ev.cap, ev.choice, ev.reason)
+    return replace(rec, repairs=with_item(rec.repairs, ev.tool, episode))
+
+
 def _operator(rec: TrajectoryRecord, ev: OperatorActed) -> TrajectoryRecord:
     if ev.message_id in rec.seen_control_ids:
         refuse(rec, ev, "duplicate_message", f"message {ev.message_id!r} was already recorded")
@@ -181,5 +194,6 @@ HANDLERS: Mapping[type, Handler] = {
     CleanupSettled: _cleanup_settled,
     HandoffWritten: _handoff,
     OperatorActed: _operator,
+    RepairEpisodeChanged: _repair,
 }
 """The obligation rules, by event type, for ``runtime.fold.apply``."""

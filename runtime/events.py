@@ -52,6 +52,7 @@ Obligations, cleanup and handoff (``runtime.obligations``)
   ``CleanupDispatched`` / ``CleanupSettled``  the compensation's own operation: intent, then its outcome
   ``HandoffWritten``      the handoff packet (goal, what was done, what is pending, why it stopped, ...)
   ``OperatorActed``       an operator settled or handed off an operation or obligation (signed, audited)
+  ``RepairEpisodeChanged`` a repair episode opened, counted an admitted attempt, closed or was exhausted
   ``LateResultDropped``   audit: a result for a call that is not pending (never an accepted result)
 Budget, grants, pointers
   ``BudgetCharged``       additive charge per dimension (tool charges, sandbox seconds, ...)
@@ -92,6 +93,7 @@ from runtime.record import (
     TaskContract,
     TimerKind,
 )
+from runtime.repair import EpisodeState, RepairChoice
 from runtime.states import ExitReason, TrajectoryState
 
 __all__ = [
@@ -128,6 +130,7 @@ __all__ = [
     "OperatorActed",
     "PointerMoved",
     "PointerName",
+    "RepairEpisodeChanged",
     "StateChanged",
     "TimerCancelled",
     "TimerFired",
@@ -650,6 +653,7 @@ class ObligationRegistered:
     after: tuple[str, ...] = ()
     on_completion: bool = False
     postcondition: Mapping[str, JsonValue] = field(default_factory=dict)
+    duty: str = "compensation"  # or "outbox": a pivot's follow-up duty
 
     def __post_init__(self) -> None:
         for name in ("obligation_id", "operation_id", "forward_tool", "tool"):
@@ -729,6 +733,21 @@ class OperatorActed:
     def __post_init__(self) -> None:
         _id(self.message_id, "message_id")
         _id(self.issuer, "issuer")
+
+
+@dataclass(frozen=True, slots=True)
+class RepairEpisodeChanged:
+    kind: ClassVar[str] = "repair_episode_changed"
+    tool: str
+    episode_id: str
+    state: EpisodeState
+    attempts: int
+    cap: int
+    choice: RepairChoice
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check(self.attempts >= 0 and self.cap >= 0, "attempts and cap are >= 0")
 
 
 # --------------------------------------------------------------------------- budget, grants, pointers
@@ -845,6 +864,7 @@ Event: TypeAlias = (
     | CleanupSettled
     | HandoffWritten
     | OperatorActed
+    | RepairEpisodeChanged
     | BudgetCharged
     | WallClockMeasured
     | BudgetStageChanged
@@ -897,6 +917,7 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         CleanupSettled,
         HandoffWritten,
         OperatorActed,
+        RepairEpisodeChanged,
         BudgetCharged,
         WallClockMeasured,
         BudgetStageChanged,

@@ -92,6 +92,7 @@ class Obligation:
     attempts: int = 0
     evidence: tuple[str, ...] = ()
     accepted_risk: bool = False  # an operator closed it without evidence: recorded as such, never as clean
+    duty: str = "compensation"  # or "outbox": a pivot's follow-up duty, delivered with retries
 
     @property
     def open(self) -> bool:

@@ -23,6 +23,7 @@ from runtime.budget import BudgetCeilings, BudgetStage, Spend
 from runtime.obligations import Obligation
 from runtime.operations import Operation
 from runtime.ports import GuardPermit, SandboxPermit
+from runtime.repair import RepairEpisode
 from runtime.states import TERMINAL_STATES, ExitReason, TrajectoryState
 from runtime.watchdog import WatchdogState
 
@@ -424,6 +425,7 @@ class TrajectoryRecord:
     excluded_wait_s: float = 0.0  # time spent awaiting approval: charged to the request, not the budget
     obligations: Mapping[str, Obligation] = field(default_factory=dict)  # compensations owed, by id
     handoff: Mapping[str, JsonValue] | None = None  # the packet written on an exit that was not clean
+    repairs: Mapping[str, RepairEpisode] = field(default_factory=dict)  # the latest episode per tool
     # the workload's policy for this trajectory (not folded: it comes from the launch, see runtime.policy)
     policy: TrajectoryPolicy = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 

@@ -236,9 +236,14 @@ class ToolContract:
     needs_approval: bool | None = None  # None: True exactly when irreversible
     target_keys: tuple[str, ...] = ()  # arguments naming the resource acted on (coarse fingerprint)
     isolate_network: bool = False  # run the sandboxed process without network access
-    # A pivot (recovery chapter §12.4): once it is established the saga completes forward; what ran before
-    # it is no longer compensated. Parsed and carried here; the cleanup graph decides what it means.
+    # A pivot (recovery chapter §12.5.2): the one irreversible commitment of its region. Every check that can
+    # run before it runs before it (``prechecks``: tools with a successful result since the last pivot);
+    # once established, what it ``commits`` (forward tools of the region) is no longer compensated, and its
+    # ``follow_up`` duties are staged in the outbox in the same durable batch as its outcome (§12.5.3).
     pivot: bool = False
+    prechecks: tuple[str, ...] = ()
+    commits: tuple[str, ...] = ()
+    follow_up: tuple[Compensation, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"tool[{self.name!r}]"
@@ -259,6 +264,13 @@ class ToolContract:
             raise ToolContractError("probe-then-retry needs a probe", where=f"{where}.probe")
         if self.side_effect is SideEffect.REVERSIBLE and self.compensation is None:
             raise ToolContractError("a reversible tool must declare its compensation", where=f"{where}")
+        if (self.prechecks or self.commits or self.follow_up) and not self.pivot:
+            raise ToolContractError(
+                "prechecks, commits and follow_up belong to a pivot", where=f"{where}.pivot"
+            )
+        object.__setattr__(self, "prechecks", tuple(self.prechecks))
+        object.__setattr__(self, "commits", tuple(self.commits))
+        object.__setattr__(self, "follow_up", tuple(self.follow_up))
         fields = set(self.argument_names)
         unknown_targets = sorted(set(self.target_keys) - fields)
         if unknown_targets:
@@ -380,6 +392,14 @@ class ToolRegistry:
             missing = sorted(t for t in comp.after if t not in self._tools)
             if missing:
                 raise ToolContractError(f"after names unregistered tools: {', '.join(missing)}", where=where)
+        for contract in self._tools.values():
+            where = f"tool[{contract.name!r}]"
+            named = [*contract.prechecks, *contract.commits, *(f.tool for f in contract.follow_up)]
+            missing = sorted({t for t in named if t not in self._tools})
+            if missing:
+                raise ToolContractError(
+                    f"the pivot names unregistered tools: {', '.join(missing)}", where=where
+                )
         self._check_cleanup_order()
 
     def _check_cleanup_order(self) -> None:

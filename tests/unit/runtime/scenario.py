@@ -206,6 +206,7 @@ def examples() -> list[Event]:
         ObligationRegistered,
         ObligationUpdated,
         OperatorActed,
+        RepairEpisodeChanged,
         TimerCancelled,
         TimerFired,
         TimerStarted,
@@ -217,6 +218,7 @@ def examples() -> list[Event]:
     from runtime.obligations import ObligationState
     from runtime.ports import GuardPermit, OutcomeClass, SandboxPermit, Settlement, ToolCallProposal
     from runtime.record import QueueStage, TimerKind
+    from runtime.repair import EpisodeState, RepairChoice
 
     return [
         created(parent_id="traj-0", workspace_ref="ws://1"),
@@ -289,4 +291,5 @@ def examples() -> list[Event]:
         HandoffWritten({"goal": "x", "pending": {"obligations": []}}),
         OperatorActed("9-0", ControlAction.SETTLE, "op:alice", "op-c4", "checked by hand"),
         OperationSettled("op-c5", Settlement.ESTABLISHED, "probe", {"env_id": "e-1"}, "c5", False),
+        RepairEpisodeChanged("write_file", "repair-4.1", EpisodeState.OPEN, 1, 3, RepairChoice.REPAIR, "x"),
     ]
