@@ -31,6 +31,7 @@ from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
 from actors.tools_mcp.port import McpToolPort
 from runtime.clock import Clock
+from runtime.deadline import FinalizationReserve
 from runtime.dispatch import NoGuard
 from runtime.errors import InputError
 from runtime.events import TrajectoryCreated
@@ -195,6 +196,7 @@ def build_policy(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajectory
         system_prompt=launch.system_prompt,
         idle_hibernate_s=launch.hibernate_after_s,
         rng_seed=zlib.crc32(launch.trajectory_id.encode()),
+        reserve=FinalizationReserve(seconds=launch.reserve_s),
     )
 
 

@@ -216,6 +216,7 @@ def plan_launches(
             max_tokens=spec.max_tokens,
             call_deadline_s=spec.call_deadline_s,
             deadline_s=spec.deadline_s,
+            reserve_s=spec.reserve_s(),
             created_at=created_at,
             completion_check=CheckLaunch(name=check.kind, params=params),
             metadata={"scenario": spec.scenario},

@@ -87,6 +87,9 @@ ACTION_ROLES: Mapping[ControlAction, frozenset[Role]] = MappingProxyType(
         ControlAction.RESUME: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.CANCEL: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.INTERRUPT: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
+        # what a trajectory owes the world: a person's word, never a policy's
+        ControlAction.SETTLE: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
+        ControlAction.HANDOFF: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
     }
 )
 

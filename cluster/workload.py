@@ -285,6 +285,9 @@ class TrajectorySpec(_Strict):
     max_tokens: PositiveInt = 256
     call_deadline_s: PositiveFloat = 30.0
     deadline_s: PositiveFloat = 600.0
+    # The finalization reserve: forward work stops this many seconds before the deadline, so cleanup has
+    # time on every exit (None: 10 % of the deadline, at least 5 s and at most 120 s).
+    finalization_reserve_s: PositiveFloat | None = None
     tenant: str = "default"
     completion_check: CompletionCheckSpec = CompletionCheckSpec()
     expected_state: Literal["COMPLETED", "FAILED", "CANCELED"] | None = None
@@ -306,6 +309,12 @@ class TrajectorySpec(_Strict):
         except ScenarioError as e:
             raise ValueError(str(e)) from None
         return v
+
+    def reserve_s(self) -> float:
+        """The finalization reserve, bounded so forward work always keeps most of the deadline."""
+        if self.finalization_reserve_s is not None:
+            return min(self.finalization_reserve_s, self.deadline_s / 2)
+        return min(120.0, max(5.0, 0.1 * self.deadline_s), self.deadline_s / 2)
 
     def expand(self) -> list[TrajectorySpec]:
         """``count`` copies with ids ``<id>-<n>`` (or the id itself when count is 1)."""

@@ -111,6 +111,7 @@ def register(step: Step, contract: ToolContract, operation_id: str, arguments: d
             comp.after,
             comp.on_completion,
             dict(comp.postcondition),
+            at=step.now,
         )
     )
 

@@ -108,6 +108,7 @@ def commit_pivot(step: Step, op: Operation, result: object) -> None:
                 True,  # a follow-up duty is delivered on every exit
                 dict(duty.postcondition),
                 duty="outbox",
+                at=step.now,
             )
         )
         if not unbound:

@@ -211,6 +211,7 @@ def dispatch(step: Step, q: QueuedCall, guard: GuardPermit | None, sandbox: Sand
             approval_digest=q.approval_digest,
             guard_permit=guard,
             sandbox_permit=sandbox,
+            at=step.now,
         )
     )
     if q.operation_id is None:

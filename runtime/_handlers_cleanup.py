@@ -60,6 +60,7 @@ def _registered(rec: TrajectoryRecord, ev: ObligationRegistered) -> TrajectoryRe
         postcondition=dict(ev.postcondition),
         evidence=("registered before dispatch" if ev.duty == "compensation" else "staged in the outbox",),
         duty=ev.duty,
+        registered_at=ev.at,
     )
     return replace(rec, obligations=with_item(rec.obligations, ob.obligation_id, ob))
 

@@ -218,6 +218,7 @@ def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord
             compensation=ev.compensation,
             repeat_safe=ev.repeat_safe,
             arguments=ev.arguments,
+            dispatched_at=ev.at,
         )
     else:
         if (existing.call_id, existing.tool, existing.effect_key) != (ev.call_id, ev.tool, ev.effect_key):
@@ -236,6 +237,7 @@ def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord
             liability=ev.liability,
             compensation=ev.compensation,
             repeat_safe=ev.repeat_safe,
+            dispatched_at=ev.at or existing.dispatched_at,
         )
     pending = PendingCall(
         ev.call_id,

@@ -479,6 +479,7 @@ class ToolDispatchIntent:
     approval_digest: str | None = None
     guard_permit: GuardPermit | None = None
     sandbox_permit: SandboxPermit | None = None
+    at: float = 0.0  # when the attempt was decided (epoch seconds): how long an unknown outcome has waited
 
     def __post_init__(self) -> None:
         for name in ("call_id", "tool", "effect_key", "operation_id", "attempt_id"):
@@ -654,6 +655,7 @@ class ObligationRegistered:
     on_completion: bool = False
     postcondition: Mapping[str, JsonValue] = field(default_factory=dict)
     duty: str = "compensation"  # or "outbox": a pivot's follow-up duty
+    at: float = 0.0  # when it was registered (epoch seconds)
 
     def __post_init__(self) -> None:
         for name in ("obligation_id", "operation_id", "forward_tool", "tool"):

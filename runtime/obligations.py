@@ -93,6 +93,7 @@ class Obligation:
     evidence: tuple[str, ...] = ()
     accepted_risk: bool = False  # an operator closed it without evidence: recorded as such, never as clean
     duty: str = "compensation"  # or "outbox": a pivot's follow-up duty, delivered with retries
+    registered_at: float = 0.0  # epoch seconds
 
     @property
     def open(self) -> bool:
