@@ -229,6 +229,16 @@ class Interpreter:
         async with self._lock:
             record = self.record
             decision = decide(record, inp, self.ports.clock.wall())
+            # Stopping announces no external effect, so it need not wait for the log: a kill tears the
+            # processes down and a stream is aborted while the decision is being made durable (one slow
+            # fsync held kills for seconds). The relay still acknowledges only after the append; a crash
+            # before it means redelivery, which records the stop then.
+            teardown: asyncio.Future[None] | None = None
+            for effect in decision.effects:
+                if isinstance(effect, CancelModelStream):
+                    self._start(effect)
+                elif isinstance(effect, KillProcesses) and teardown is None:
+                    teardown = asyncio.ensure_future(self._kill(effect))
             if decision.events:
                 try:
                     await self.ports.log.append_many(self.trajectory_id, [encode(e) for e in decision.events])
@@ -237,6 +247,9 @@ class Interpreter:
                     _log.warning("%s: append failed (%s); recovering from the log", self.trajectory_id, e)
                     self._start_recovery()
                     raise
+                finally:
+                    if teardown is not None:
+                        await teardown
                 self.appends += 1
                 for event in decision.events:
                     before = record
@@ -246,11 +259,11 @@ class Interpreter:
                     if isinstance(event, TimerFired):
                         self._forget_timer(before.timers.get(event.timer_id))
                 self._record = record
+            elif teardown is not None:
+                await teardown
             for effect in decision.effects:
-                if isinstance(effect, KillProcesses):
-                    # kill acts at once: the processes are gone before the kill is acknowledged
-                    await self._kill(effect)
-                else:
+                # a stop started above; kill acts at once: the processes are gone before it is acknowledged
+                if not isinstance(effect, KillProcesses | CancelModelStream):
                     self._start(effect)
             if record.is_terminal:
                 self._ended.set()

@@ -135,7 +135,7 @@ def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> 
 
 
 class StatusPublisher:
-    """Coalescing writer of one trajectory's snapshot and live events (a ``HarnessHooks.on_event`` sink)."""
+    """Coalescing writer of one trajectory's snapshot and live events (a ``TrajectoryHooks`` event sink)."""
 
     def __init__(
         self, client: aioredis.Redis, events: LiveEventSink, trajectory_id: str, clock: Clock

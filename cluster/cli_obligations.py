@@ -33,11 +33,9 @@ from cluster.cli_control import (
     _TtlOpt,
 )
 from cluster.embedded import redact_url
-from cluster.log_store import RedisLogStore
+from cluster.run_report import handoff_packets
 from cluster.signing import DEFAULT_OPERATOR
-from runtime.codec import decode
 from runtime.errors import DependencyError, InputError
-from runtime.events import HandoffWritten
 from runtime.record import ControlAction
 
 __all__ = ["owed_rows", "register"]
@@ -65,16 +63,7 @@ async def owed_rows(url: str) -> list[dict[str, Any]]:
 
 
 async def _handoff_packet(url: str, trajectory_id: str) -> dict[str, Any] | None:
-    store = RedisLogStore.from_url(url)
-    try:
-        packet = None
-        for _, payload in await store.read(trajectory_id):
-            event = decode(payload)
-            if isinstance(event, HandoffWritten):
-                packet = dict(event.packet)
-        return packet
-    finally:
-        await store.close()
+    return (await handoff_packets(url, [trajectory_id])).get(trajectory_id)
 
 
 def _age(since: Any, now: float) -> str:

@@ -37,6 +37,8 @@ from actors.status import status_key
 from actors.tools_mcp.config import McpRoute
 from cluster.adapters import ClusterAdapters
 from cluster.embedded import REDIS_URL_ENV, redis_url_from_env, stop_embedded, tether_home
+from cluster.run_actions import OperatorActions, PlannedAction, alongside
+from cluster.run_report import read_handoffs, read_ledger
 from cluster.workload import ToolSource, TrajectorySpec, Workload, resolve_tool_contracts
 from runtime.errors import DependencyError
 from runtime.states import TrajectoryState
@@ -127,13 +129,19 @@ class RunResult:
     provider: dict[str, Any] = field(default_factory=lambda: {"requests": None, "rate_limited": None})
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # The testbed's own count of what the run did to the world (``cluster.run_report.ledger_summary``;
+    # None without testbed tools), and the handoff packet of each trajectory that wrote one.
+    ledger: dict[str, Any] | None = None
+    handoff: dict[str, dict[str, Any]] = field(default_factory=dict)
+    operator_actions: dict[str, str] = field(default_factory=dict)
 
     @property
     def unexpected(self) -> list[TrajectoryResult]:
         return [r for r in self.results if not r.as_expected]
 
     def report(self) -> dict[str, Any]:
-        """``{"summary": {...}, "trajectories": [...], "provider": {...}}`` exactly as issue 3 specifies."""
+        """``{"summary", "trajectories", "provider"}`` as issue 3 specifies, plus issue 11's ``ledger`` (the
+        testbed's own count), ``handoff`` (packets by trajectory) and the scripted ``operator_actions``."""
         states = Counter(r.state for r in self.results)
         reasons = Counter(r.exit_reason for r in self.results if r.exit_reason is not None)
         return {
@@ -145,6 +153,9 @@ class RunResult:
             },
             "trajectories": [r.row() for r in self.results],
             "provider": dict(self.provider),
+            "ledger": self.ledger,
+            "handoff": dict(self.handoff),
+            "operator_actions": dict(self.operator_actions),
         }
 
 
@@ -804,20 +815,29 @@ def run_driver(
             testbed_address=services.testbed_address,
         )
         print(f"driver metrics: {metrics.url}", file=sys.stderr)
+    actions = OperatorActions(
+        [PlannedAction(launch.trajectory_id, spec.operator) for spec, launch in planned if spec.operator],
+        services.redis_url,
+        services.keyring_path,
+    )
     started = time.monotonic()
     try:
-        results = asyncio.run(driver.run(on_progress, stop))
+        results = asyncio.run(alongside(driver.run(on_progress, stop), actions))
     finally:
         if metrics is not None:
             metrics.close()
         if asked:
             with contextlib.suppress(Exception):  # the cluster may be gone; nothing left to withdraw
                 request_capacity(0)  # the trajectories are done: let idle nodes scale down
+    ids = [launch.trajectory_id for _, launch in planned]
     return RunResult(
         results=results,
-        provider=services.provider_counts([launch.trajectory_id for _, launch in planned]),
+        provider=services.provider_counts(ids),
         timeline=driver.timeline,
         elapsed_s=time.monotonic() - started,
+        ledger=read_ledger(services.testbed_address),
+        handoff=read_handoffs(services.redis_url, ids),
+        operator_actions=dict(actions.sent),
     )
 
 

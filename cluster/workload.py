@@ -274,6 +274,17 @@ class CompletionCheckSpec(_Strict):
         return self
 
 
+class OperatorStep(_Strict):
+    """An operator action the run performs on this trajectory (``cluster.run_actions``): sent signed through
+    the control stream, as ``tether <action>`` would, once ``when`` holds and ``after_s`` more passed.
+    ``started``: the trajectory has a status; ``owing``: it owes a bound compensation (e.g. an environment it
+    provisioned). For demos and tests of the exit paths."""
+
+    action: Literal["kill", "cancel", "pause", "resume"]
+    when: Literal["started", "owing"] = "owing"
+    after_s: Annotated[float, Field(ge=0.0, le=3600.0)] = 0.0
+
+
 class TrajectorySpec(_Strict):
     id: str
     count: PositiveInt = 1
@@ -291,6 +302,7 @@ class TrajectorySpec(_Strict):
     tenant: str = "default"
     completion_check: CompletionCheckSpec = CompletionCheckSpec()
     expected_state: Literal["COMPLETED", "FAILED", "CANCELED"] | None = None
+    operator: OperatorStep | None = None
 
     @field_validator("id")
     @classmethod
