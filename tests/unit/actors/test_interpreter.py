@@ -137,7 +137,8 @@ async def _waiting_on_a_tool() -> tuple[Interpreter, GatedLog, KillWatch, Hangin
 
 
 def _kill() -> ControlReceived:
-    return ControlReceived("k1", ControlAction.KILL, "alice", "runaway", {}, {"alice": frozenset({"operator"})})
+    roles = {"alice": frozenset({"operator"})}
+    return ControlReceived("k1", ControlAction.KILL, "alice", "runaway", {}, roles)
 
 
 async def test_a_kill_tears_the_processes_down_while_its_append_is_still_waiting() -> None:
