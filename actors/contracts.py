@@ -141,15 +141,28 @@ ArgName = Annotated[str, Field(min_length=1)]
 
 class CompensationSpec(_Spec):
     """How to undo a reversible call: ``tool`` with arguments bound from the forward call's result
-    (``from_result``: result field -> argument), its arguments (``from_args``) and constants (``fixed``)."""
+    (``from_result``: result field -> argument), its arguments (``from_args``) and constants (``fixed``);
+    ``after``: tools whose cleanup runs first; ``postcondition``: fields the verified compensation result
+    must carry; ``on_completion``: a temporary resource, released when the trajectory completes too."""
 
     tool: str = Field(min_length=1)
     from_result: dict[ArgName, ArgName] = Field(default_factory=dict)
     from_args: dict[ArgName, ArgName] = Field(default_factory=dict)
     fixed: dict[ArgName, JsonValue] = Field(default_factory=dict)
+    after: tuple[str, ...] = ()
+    postcondition: dict[ArgName, JsonValue] = Field(default_factory=dict)
+    on_completion: bool = False
 
     def build(self) -> Compensation:
-        return Compensation(self.tool, self.from_result, self.from_args, self.fixed)
+        return Compensation(
+            self.tool,
+            self.from_result,
+            self.from_args,
+            self.fixed,
+            after=self.after,
+            postcondition=self.postcondition,
+            on_completion=self.on_completion,
+        )
 
 
 def _check_schema(value: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
@@ -350,7 +363,14 @@ def testbed_contracts() -> list[ToolContract]:
             repeat=RepeatContract.PROBE_THEN_RETRY,
             probe=True,
             dependency_scope="env-provisioner",
-            compensation=Compensation("release_env", from_result={"env_id": "env_id"}),
+            # A test environment is temporary: released on every exit, completion included, and released
+            # only when the endpoint's own record shows it released (probed by the release's effect key).
+            compensation=Compensation(
+                "release_env",
+                from_result={"env_id": "env_id"},
+                postcondition={"released": True},
+                on_completion=True,
+            ),
             target_keys=("tenant",),
         ),
         ToolContract(
@@ -359,6 +379,7 @@ def testbed_contracts() -> list[ToolContract]:
             arguments=ReleaseArgs,
             side_effect=SideEffect.IRREVERSIBLE,
             repeat=RepeatContract.IDEMPOTENT,
+            probe=True,  # the service answers probes by effect key: a release is verified against its record
             needs_approval=False,  # undoing spend needs nobody's permission
             dependency_scope="env-provisioner",
             target_keys=("env_id",),

@@ -45,6 +45,7 @@ from runtime.effects import (
     OpenIncident,
     ProbeTool,
     PublishEscalation,
+    ReleaseLease,
     ReleasePermit,
     ReportLimits,
     RequestAdmission,
@@ -97,7 +98,7 @@ from runtime.ports import (
     ToolPort,
     Usage,
 )
-from runtime.record import Timer, TrajectoryRecord
+from runtime.record import Lease, Timer, TrajectoryRecord
 from runtime.states import TrajectoryState
 
 __all__ = [
@@ -105,6 +106,7 @@ __all__ = [
     "Hooks",
     "Interpreter",
     "InterpreterPorts",
+    "LeasePort",
     "RunOutcome",
     "SupervisionPort",
     "TimerPort",
@@ -128,6 +130,12 @@ class _NoHooks:
 
     async def on_kill(self, record: TrajectoryRecord) -> None:
         return None
+
+
+class LeasePort(Protocol):
+    """Gives leases back when FINALIZING releases them (a workspace is torn down and removed)."""
+
+    async def release(self, lease: Lease) -> None: ...
 
 
 class TimerPort(Protocol):
@@ -165,6 +173,7 @@ class InterpreterPorts:
     clock: Clock
     guard: GuardPort = field(default_factory=NoGuard)
     timers: TimerPort | None = None  # None: durable timers live only as long as this process
+    leases: LeasePort | None = None  # None: leases are records only
     # issue 12: None when the runtime has no registry (escalations stay in the log) / no delegation
     supervision: SupervisionPort | None = None
     children: ChildrenPort | None = None
@@ -254,6 +263,16 @@ class Interpreter:
         async with self._lock:
             record = self.record
             decision = decide(record, inp, self.ports.clock.wall())
+            # Stopping announces no external effect, so it need not wait for the log: a kill tears the
+            # processes down and a stream is aborted while the decision is being made durable (one slow
+            # fsync held kills for seconds). The relay still acknowledges only after the append; a crash
+            # before it means redelivery, which records the stop then.
+            teardown: asyncio.Future[None] | None = None
+            for effect in decision.effects:
+                if isinstance(effect, CancelModelStream):
+                    self._start(effect)
+                elif isinstance(effect, KillProcesses) and teardown is None:
+                    teardown = asyncio.ensure_future(self._kill(effect))
             if decision.events:
                 try:
                     await self.ports.log.append_many(self.trajectory_id, [encode(e) for e in decision.events])
@@ -262,6 +281,9 @@ class Interpreter:
                     _log.warning("%s: append failed (%s); recovering from the log", self.trajectory_id, e)
                     self._start_recovery()
                     raise
+                finally:
+                    if teardown is not None:
+                        await teardown
                 self.appends += 1
                 for event in decision.events:
                     before = record
@@ -271,11 +293,11 @@ class Interpreter:
                     if isinstance(event, TimerFired):
                         self._forget_timer(before.timers.get(event.timer_id))
                 self._record = record
+            elif teardown is not None:
+                await teardown
             for effect in decision.effects:
-                if isinstance(effect, KillProcesses):
-                    # kill acts at once: the processes are gone before the kill is acknowledged
-                    await self._kill(effect)
-                else:
+                # a stop started above; kill acts at once: the processes are gone before it is acknowledged
+                if not isinstance(effect, KillProcesses | CancelModelStream):
                     self._start(effect)
             if record.is_terminal:
                 self._ended.set()
@@ -408,6 +430,8 @@ class Interpreter:
             await self._release(effect.guard, effect.sandbox, effect.outcome)
         elif isinstance(effect, CancelToolCall):
             await self._quietly(self.ports.tools.cancel(effect.tool, effect.effect_key), effect)
+        elif isinstance(effect, ReleaseLease) and self.ports.leases is not None:
+            await self._quietly(self.ports.leases.release(effect.lease), effect)
         return None
 
     async def _quietly(self, work: Coroutine[Any, Any, None], effect: Effect) -> None:

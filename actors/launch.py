@@ -102,6 +102,7 @@ class TrajectoryLaunch(_Frozen):
     max_tokens: int = Field(256, gt=0)
     call_deadline_s: Positive = 30.0
     deadline_s: Positive = 600.0
+    reserve_s: float = Field(0.0, ge=0.0)  # the finalization reserve (seconds before the deadline)
     created_at: NonNegative  # epoch seconds, fixed at launch so a re-created actor builds the same record
     completion_check: CheckLaunch = CheckLaunch()
     metadata: dict[str, str] = Field(default_factory=dict)  # e.g. {"scenario": "finish_after:2"}

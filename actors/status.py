@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from typing import Any
@@ -37,6 +38,9 @@ from runtime.events import (
     HoldPlaced,
     HoldReleased,
     ModelCallSettled,
+    ObligationUpdated,
+    OperationSettled,
+    OperatorActed,
     RungChanged,
     StateChanged,
     ToolCallHeld,
@@ -61,6 +65,9 @@ _SHOWN = (
     StateChanged,
     ToolCallHeld,
     ModelCallSettled,
+    OperationSettled,
+    ObligationUpdated,
+    OperatorActed,
     # issue 12: holds, rungs, escalations and children show in the snapshot too
     HoldPlaced,
     HoldReleased,
@@ -104,10 +111,51 @@ def summarize(record: TrajectoryRecord, hibernated: bool = False) -> dict[str, A
     }
 
 
+def owed(record: TrajectoryRecord) -> list[dict[str, Any]]:
+    """What the trajectory still owes the world (``tether obligations``): unknown operations and open or
+    handed-off obligations, each with its target, the evidence so far, its owner and since when."""
+    rows: list[dict[str, Any]] = []
+    for op in record.operations.values():
+        if op.settled or op.cleanup_of is not None:
+            continue
+        awaited = any(p.operation_id == op.operation_id for p in record.pending_calls.values())
+        rows.append(
+            {
+                "id": op.operation_id,
+                "kind": "operation",
+                "tool": op.tool,
+                "target": dict(op.arguments),
+                "state": "in flight" if awaited else "unknown",
+                "evidence": f"{op.attempts} attempt(s), outcome unknown",
+                "owner": op.owner or record.trajectory_id,
+                "since": op.dispatched_at,
+            }
+        )
+    for ob in record.obligations.values():
+        if ob.state.value in ("discharged", "committed"):
+            continue
+        rows.append(
+            {
+                "id": ob.obligation_id,
+                "kind": ob.duty,
+                "tool": ob.tool,
+                "target": dict(ob.arguments),
+                "state": ob.state.value,
+                "evidence": ob.evidence[-1] if ob.evidence else "",
+                "owner": ob.owner,
+                "since": ob.registered_at,
+            }
+        )
+    return rows
+
+
 def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> dict[str, str]:
     """The snapshot hash of ``record`` (all values strings; empty string for "none")."""
     held = record.held if record.state is TrajectoryState.AWAITING_APPROVAL else None
+    owes = owed(record)
     return {
+        "owed": json.dumps(owes, sort_keys=True, default=str) if owes else "",
+        "handoff": "1" if record.handoff is not None else "0",
         "state": record.state.value,
         "turns": str(record.turn_count),
         "rho": f"{record.rho:.4f}",
@@ -132,7 +180,7 @@ def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> 
 
 
 class StatusPublisher:
-    """Coalescing writer of one trajectory's snapshot and live events (a ``HarnessHooks.on_event`` sink)."""
+    """Coalescing writer of one trajectory's snapshot and live events (a ``TrajectoryHooks`` event sink)."""
 
     def __init__(
         self, client: aioredis.Redis, events: LiveEventSink, trajectory_id: str, clock: Clock

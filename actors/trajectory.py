@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ from runtime.memstore import check_trajectory_id
 from runtime.metrics import Metrics
 from runtime.observe import HookChain, MetricsHooks
 from runtime.ports import AdmissionPort, GuardPort
-from runtime.record import ControlAction, TrajectoryRecord
+from runtime.record import ControlAction, Lease, LeaseKind, TrajectoryRecord
 
 __all__ = [
     "NAMESPACE",
@@ -92,6 +94,21 @@ class _Hooks:
     async def on_kill(self, record: TrajectoryRecord) -> None:
         if self.sandbox is not None:
             await self.sandbox.kill_all()
+
+
+class _SandboxLeases:
+    """The trajectory's leases as the world holds them: the workspace lease is its sandbox (every process
+    group killed, the workspace directory removed); a credential lease has nothing to tear down here."""
+
+    def __init__(self, sandbox: Sandbox | None) -> None:
+        self.sandbox = sandbox
+
+    async def release(self, lease: Lease) -> None:
+        if lease.kind is not LeaseKind.WORKSPACE or self.sandbox is None:
+            return
+        await self.sandbox.kill_all()
+        workspace = self.sandbox.workspace
+        await asyncio.to_thread(shutil.rmtree, workspace, True)
 
 
 class TrajectoryActor:
@@ -297,12 +314,16 @@ class TrajectoryActor:
                 timers=timers,
             )
             self._built.closers.append(timers.close)
+            self._built.ports.leases = _SandboxLeases(sandbox)
             self._supervise(self._built)
             events = self._adapters.live_events(launch.redis_url)
             self._status = StatusPublisher(self._client(), events, launch.trajectory_id, self._clock)
+            policy = build_policy(launch, registry)
+            if sandbox is not None:
+                policy = dataclasses.replace(policy, workspace=str(sandbox.workspace))
             harness = Interpreter(
                 launch.trajectory_id,
-                build_policy(launch, registry),
+                policy,
                 self._built.ports,
                 HookChain(_Hooks(self._status, sandbox), MetricsHooks(Metrics(RayBackend()), self._clock)),
             )

@@ -25,11 +25,13 @@ from actors.interpreter import InterpreterPorts, TimerPort
 from actors.launch import TrajectoryLaunch
 from actors.model_openai import OpenAIModel
 from actors.ports import ClosableLogStore
+from actors.provider_tally import RedisProviderTally
 from actors.sandbox import Sandbox
 from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
 from actors.tools_mcp.port import McpToolPort
 from runtime.clock import Clock
+from runtime.deadline import FinalizationReserve
 from runtime.dispatch import NoGuard
 from runtime.errors import InputError
 from runtime.events import TrajectoryCreated
@@ -208,6 +210,7 @@ def build_policy(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajectory
         system_prompt=launch.system_prompt,
         idle_hibernate_s=launch.hibernate_after_s,
         rng_seed=zlib.crc32(launch.trajectory_id.encode()),
+        reserve=FinalizationReserve(seconds=launch.reserve_s),
         **extra,
     )
 
@@ -269,10 +272,13 @@ def build_ports(
     closers: list[Closer] = []
     log = logs.open_log(launch.redis_url)
     closers.append(log.close)
+    tally = RedisProviderTally.from_url(launch.redis_url)  # what this adapter saw, per status, for the report
+    closers.append(tally.aclose)
     model = OpenAIModel(
         base_url=launch.provider.base_url,
         api_key=env.get(launch.provider.api_key_env) or "tether-unused",
         clock=clock,
+        observer=tally,
     )
     closers.append(model.aclose)
     routes: dict[str, ToolPort] = {}

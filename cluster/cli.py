@@ -23,6 +23,7 @@ app = typer.Typer(
 _COMMAND_MODULES = (
     "cluster.cli_run",
     "cluster.cli_control",
+    "cluster.cli_obligations",
     "cluster.cli_keys",
     "cluster.cli_submit",
     "cluster.cli_supervise",  # issue 12: tether incident, tether escalations

@@ -80,6 +80,8 @@ class ControlAction(StrEnum):
     KILL = "kill"
     APPROVE = "approve"
     DENY = "deny"
+    SETTLE = "settle"
+    HANDOFF = "handoff"
     # issue 12: holds (an incident's: payload ``incident_id``) and custody of escalations
     HOLD = "hold"
     RELEASE = "release"

@@ -32,10 +32,13 @@ import redis.asyncio as aioredis
 
 from actors.contracts import ServerHints
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
+from actors.provider_tally import read_provider_tallies, summed
 from actors.status import status_key
 from actors.tools_mcp.config import McpRoute
 from cluster.adapters import ClusterAdapters
 from cluster.embedded import REDIS_URL_ENV, redis_url_from_env, stop_embedded, tether_home
+from cluster.run_actions import OperatorActions, PlannedAction, alongside
+from cluster.run_report import read_handoffs, read_ledger
 from cluster.workload import ToolSource, TrajectorySpec, Workload, resolve_tool_contracts
 from runtime.errors import DependencyError
 from runtime.states import TrajectoryState
@@ -57,6 +60,7 @@ __all__ = [
 ]
 
 _STATE_ORDER = [s.value for s in TrajectoryState]
+_log = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 60.0
 
 
@@ -131,9 +135,18 @@ class TrajectoryResult:
 @dataclass
 class RunResult:
     results: list[TrajectoryResult]
-    provider: dict[str, int | None] = field(default_factory=lambda: {"requests": None, "rate_limited": None})
+    # What the run saw of its provider (``Services.provider_counts``): issue 3's ``requests`` and
+    # ``rate_limited``, plus ``simulated`` (the simulator's own counters, None for a real provider),
+    # ``observed`` (what the trajectories' adapters saw, per provider) and ``scheduler`` (per provider key:
+    # admissions, 429s reported, retry hints honoured, the limits learned).
+    provider: dict[str, Any] = field(default_factory=lambda: {"requests": None, "rate_limited": None})
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # The testbed's own count of what the run did to the world (``cluster.run_report.ledger_summary``;
+    # None without testbed tools), and the handoff packet of each trajectory that wrote one.
+    ledger: dict[str, Any] | None = None
+    handoff: dict[str, dict[str, Any]] = field(default_factory=dict)
+    operator_actions: dict[str, str] = field(default_factory=dict)
     # issue 12: escalations by trigger, incidents and the quarantine, read from the cluster at the end
     supervision: dict[str, Any] = field(default_factory=dict)
 
@@ -142,7 +155,8 @@ class RunResult:
         return [r for r in self.results if not r.as_expected]
 
     def report(self) -> dict[str, Any]:
-        """``{"summary": {...}, "trajectories": [...], "provider": {...}}`` exactly as issue 3 specifies."""
+        """``{"summary", "trajectories", "provider"}`` as issue 3 specifies, plus issue 11's ``ledger`` (the
+        testbed's own count), ``handoff`` (packets by trajectory) and the scripted ``operator_actions``."""
         states = Counter(r.state for r in self.results)
         reasons = Counter(r.exit_reason for r in self.results if r.exit_reason is not None)
         rungs = Counter(r.rung for r in self.results)
@@ -160,6 +174,9 @@ class RunResult:
             },
             "trajectories": [r.row() for r in self.results],
             "provider": dict(self.provider),
+            "ledger": self.ledger,
+            "handoff": dict(self.handoff),
+            "operator_actions": dict(self.operator_actions),
             "supervision": dict(self.supervision),
         }
 
@@ -232,6 +249,7 @@ def plan_launches(
             max_tokens=spec.max_tokens,
             call_deadline_s=spec.call_deadline_s,
             deadline_s=spec.deadline_s,
+            reserve_s=spec.reserve_s(),
             created_at=created_at,
             completion_check=CheckLaunch(name=check.kind, params=params),
             metadata={"scenario": spec.scenario},
@@ -295,6 +313,7 @@ class Services:
         self.mcp_catalog: dict[str, Any] = {}  # MCP server -> its tools' hints, listed at start
         # Handles of the actors we created: a non-detached actor lives as long as its creator holds one.
         self.actor_handles: list[Any] = []
+        self.scheduler_actor: Any = None  # the scheduler actor this run started or joined
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Services:
@@ -416,6 +435,7 @@ class Services:
             metrics=MetricsAdapter(RayBackend),
         )
         self.actor_handles.append(scheduler.actor)
+        self.scheduler_actor = scheduler.actor
 
     def _start_guards(self) -> None:
         """Create the guard actor of every shared dependency scope, and the host actor of every MCP server,
@@ -477,12 +497,82 @@ class Services:
         for note in notes:
             print(f"warning: {note}", file=sys.stderr)
 
-    def provider_counts(self) -> dict[str, int | None]:
-        """Requests and 429s as the simulated provider counted them (None for a real provider)."""
-        if self.provider is None:
-            return {"requests": None, "rate_limited": None}
-        stats = self.provider.stats()
-        return {"requests": int(stats["requests"]), "rate_limited": int(stats["rate_limited"])}
+    def provider_counts(self, trajectory_ids: Sequence[str] = ()) -> dict[str, Any]:
+        """What the run saw of its provider, from three places, each kept as it counted:
+
+        - ``simulated``: the simulated provider's own counters (``GET /testbed/stats``); None for a real one;
+        - ``observed``: what the trajectories' model adapters saw, per provider (requests, responses by HTTP
+          status, outcomes, retry hints by header, estimated usage), summed from the tally hashes their
+          ``actors.provider_tally.RedisProviderTally`` observers keep in Redis;
+        - ``scheduler``: per provider key, what the scheduler actor admitted and was told (429s reported,
+          retry hints honoured by header, the limits it learned and where from).
+
+        ``requests`` and ``rate_limited`` (issue 3's report) are the provider's own counts when it keeps them,
+        else the adapters' observation, else the scheduler's (admissions and 429s reported).
+        """
+        simulated = None
+        requests: int | None
+        limited: int | None
+        if self.provider is not None:
+            stats = self.provider.stats()
+            simulated = {"requests": int(stats["requests"]), "rate_limited": int(stats["rate_limited"])}
+        observed = self._observed(trajectory_ids)
+        scheduler = self._scheduler_view()
+        if simulated is not None:
+            requests, limited = simulated["requests"], simulated["rate_limited"]
+        elif observed:
+            requests, limited = summed(observed, "requests"), summed(observed, "rate_limited")
+        elif scheduler:
+            requests = sum(int(lane["granted"]) for lane in scheduler.values())
+            limited = sum(int(lane["rate_limited"]) for lane in scheduler.values())
+        else:
+            requests = limited = None
+        return {
+            "requests": requests,
+            "rate_limited": limited,
+            "simulated": simulated,
+            "observed": observed,
+            "scheduler": scheduler,
+        }
+
+    def _observed(self, trajectory_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        if not trajectory_ids or not self.redis_url:
+            return {}
+
+        async def read() -> dict[str, dict[str, Any]]:
+            client = aioredis.Redis.from_url(self.redis_url, socket_timeout=10.0)
+            try:
+                return await read_provider_tallies(client, trajectory_ids)
+            finally:
+                await client.aclose()
+
+        try:
+            return asyncio.run(read())
+        except Exception as e:  # the report is a view: say what is missing rather than fail the run
+            _log.warning("provider tallies not read from %s: %s", self.redis_url, e)
+            return {}
+
+    def _scheduler_view(self) -> dict[str, dict[str, Any]]:
+        if self.scheduler_actor is None:
+            return {}
+        import ray
+
+        try:
+            snapshot = ray.get(self.scheduler_actor.snapshot.remote(), timeout=30)
+        except Exception as e:
+            _log.warning("scheduler snapshot not read: %s", e)
+            return {}
+        return {
+            key: {
+                "granted": lane.granted,
+                "rate_limited": lane.rate_limited,
+                "retry_hints_honoured": dict(lane.retry_hints_honoured),
+                "limit_requests": lane.limit_requests,
+                "limit_tokens": lane.limit_tokens,
+                "limit_sources": dict(lane.limit_sources),
+            }
+            for key, lane in snapshot.lanes.items()
+        }
 
 
 _RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -811,20 +901,29 @@ def run_driver(
             testbed_address=services.testbed_address,
         )
         print(f"driver metrics: {metrics.url}", file=sys.stderr)
+    actions = OperatorActions(
+        [PlannedAction(launch.trajectory_id, spec.operator) for spec, launch in planned if spec.operator],
+        services.redis_url,
+        services.keyring_path,
+    )
     started = time.monotonic()
     try:
-        results = asyncio.run(driver.run(on_progress, stop))
+        results = asyncio.run(alongside(driver.run(on_progress, stop), actions))
     finally:
         if metrics is not None:
             metrics.close()
         if asked:
             with contextlib.suppress(Exception):  # the cluster may be gone; nothing left to withdraw
                 request_capacity(0)  # the trajectories are done: let idle nodes scale down
+    ids = [launch.trajectory_id for _, launch in planned]
     return RunResult(
         results=results,
-        provider=services.provider_counts(),
+        provider=services.provider_counts(ids),
         timeline=driver.timeline,
         elapsed_s=time.monotonic() - started,
+        ledger=read_ledger(services.testbed_address),
+        handoff=read_handoffs(services.redis_url, ids),
+        operator_actions=dict(actions.sent),
         supervision=driver.supervision,
     )
 

@@ -87,6 +87,9 @@ ACTION_ROLES: Mapping[ControlAction, frozenset[Role]] = MappingProxyType(
         ControlAction.RESUME: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.CANCEL: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.INTERRUPT: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
+        # what a trajectory owes the world: a person's word, never a policy's
+        ControlAction.SETTLE: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
+        ControlAction.HANDOFF: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
         # issue 12: an incident hold is containment (security and reliability staff, or an automated
         # policy); lifting it and taking custody of an escalation are a person's decisions
         ControlAction.HOLD: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE, Role.POLICY}),

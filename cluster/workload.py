@@ -275,6 +275,17 @@ class CompletionCheckSpec(_Strict):
         return self
 
 
+class OperatorStep(_Strict):
+    """An operator action the run performs on this trajectory (``cluster.run_actions``): sent signed through
+    the control stream, as ``tether <action>`` would, once ``when`` holds and ``after_s`` more passed.
+    ``started``: the trajectory has a status; ``owing``: it owes a bound compensation (e.g. an environment it
+    provisioned). For demos and tests of the exit paths."""
+
+    action: Literal["kill", "cancel", "pause", "resume"]
+    when: Literal["started", "owing"] = "owing"
+    after_s: Annotated[float, Field(ge=0.0, le=3600.0)] = 0.0
+
+
 class TrajectorySpec(_Strict):
     id: str
     count: PositiveInt = 1
@@ -286,9 +297,13 @@ class TrajectorySpec(_Strict):
     max_tokens: PositiveInt = 256
     call_deadline_s: PositiveFloat = 30.0
     deadline_s: PositiveFloat = 600.0
+    # The finalization reserve: forward work stops this many seconds before the deadline, so cleanup has
+    # time on every exit (None: 10 % of the deadline, at least 5 s and at most 120 s).
+    finalization_reserve_s: PositiveFloat | None = None
     tenant: str = "default"
     completion_check: CompletionCheckSpec = CompletionCheckSpec()
     expected_state: Literal["COMPLETED", "FAILED", "CANCELED"] | None = None
+    operator: OperatorStep | None = None
     # issue 12: this trajectory's own delegation template (instead of the workload's supervision.delegation)
     delegation: DelegationSpec | None = None
 
@@ -309,6 +324,12 @@ class TrajectorySpec(_Strict):
         except ScenarioError as e:
             raise ValueError(str(e)) from None
         return v
+
+    def reserve_s(self) -> float:
+        """The finalization reserve, bounded so forward work always keeps most of the deadline."""
+        if self.finalization_reserve_s is not None:
+            return min(self.finalization_reserve_s, self.deadline_s / 2)
+        return min(120.0, max(5.0, 0.1 * self.deadline_s), self.deadline_s / 2)
 
     def expand(self) -> list[TrajectorySpec]:
         """``count`` copies with ids ``<id>-<n>`` (or the id itself when count is 1)."""

@@ -15,6 +15,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from runtime._decide_cleanup import (
+    cleanup_retry_due,
+    is_cleanup,
+    on_cleanup_permit,
+    on_cleanup_permit_refused,
+    register,
+)
+from runtime._decide_commit import pivot_refusal
 from runtime._decide_finalize import withdraw
 from runtime._step import STOPS, Step
 from runtime.admission import AdmissionCandidate, AdmissionContext, OperationKind, check_admission
@@ -108,6 +116,9 @@ def _admissionrefusal(step: Step, q: QueuedCall) -> str | None:
     message, or None when admitted. Forward work cannot spend the finalization reserve."""
     rec = step.record
     contract = step.policy.registry.get(q.tool)
+    blocked = pivot_refusal(step, contract, q.operation_id)
+    if blocked is not None:
+        return blocked
     deadline = None
     if rec.deadline is not None:
         try:
@@ -139,6 +150,9 @@ def _admissionrefusal(step: Step, q: QueuedCall) -> str | None:
 
 
 def on_permit_granted(step: Step, inp: PermitGranted) -> None:
+    if is_cleanup(inp.call_id):
+        on_cleanup_permit(step, inp)
+        return
     q = _waiting(step, inp.call_id, QueueStage.PERMIT, inp.request_id)
     if q is None:  # no longer wanted (withdrawn, recovered, answered twice): give the permits back
         step.do(ReleasePermit(inp.guard, inp.sandbox, None))
@@ -157,6 +171,9 @@ def on_permit_granted(step: Step, inp: PermitGranted) -> None:
 
 
 def on_permit_refused(step: Step, inp: PermitRefused) -> None:
+    if is_cleanup(inp.call_id):
+        on_cleanup_permit_refused(step, inp)
+        return
     q = _waiting(step, inp.call_id, QueueStage.PERMIT, inp.request_id)
     if q is None:
         return
@@ -204,8 +221,11 @@ def dispatch(step: Step, q: QueuedCall, guard: GuardPermit | None, sandbox: Sand
             approval_digest=q.approval_digest,
             guard_permit=guard,
             sandbox_permit=sandbox,
+            at=step.now,
         )
     )
+    if q.operation_id is None:
+        register(step, contract, operation_id, dict(q.arguments))  # the cleanup template, before dispatch
     step.arm(TimerKind.CALL_DEADLINE, deadline, subject=q.call_id)
     invocation = ToolInvocation(
         rec.trajectory_id, q.call_id, q.tool, dict(q.arguments), key, operation_id, attempt_id, deadline
@@ -215,6 +235,9 @@ def dispatch(step: Step, q: QueuedCall, guard: GuardPermit | None, sandbox: Sand
 
 def retry_due(step: Step, call_id: str) -> None:
     """A retry's backoff ended: it asks for its permits again (a retry passes admission like fresh work)."""
+    if is_cleanup(call_id):
+        cleanup_retry_due(step, call_id)
+        return
     q = step.record.queued.get(call_id)
     if step.record.state is not S.WAITING_TOOL or q is None or q.stage is not QueueStage.BACKOFF:
         return

@@ -15,11 +15,12 @@ import json
 from runtime._step import Step
 from runtime.budget import BudgetStage, assess
 from runtime.completion import evaluate_completion
-from runtime.effects import CancelToolCall, ProbeTool
+from runtime.effects import CancelToolCall, ProbeTool, ReleaseLease
 from runtime.events import (
     BudgetStageChanged,
     CompletionChecked,
     LeaseReleased,
+    ObligationUpdated,
     ObservationAppended,
     ObservationKind,
     StateChanged,
@@ -27,6 +28,7 @@ from runtime.events import (
     ToolCallWithdrawn,
     TurnAbandoned,
 )
+from runtime.obligations import ObligationState
 from runtime.record import TimerKind
 from runtime.states import ExitReason, TrajectoryState, terminal_state_for
 
@@ -46,7 +48,8 @@ def withdraw(step: Step, call_id: str, reason: str, refusal: dict[str, str] | No
 def abandon_calls(step: Step, reason: str) -> None:
     """Stop waiting for every call in flight and withdraw every call not yet sent (kill, cancel, deadline,
     finalizing). An abandoned operation is in doubt, owned by the trajectory; its endpoint is asked to stop
-    it and, where the tool can be probed, what became of it (the answer settles it, whenever it comes)."""
+    it and, where the tool can be probed, what became of it (the answer settles it, whenever it comes, and
+    binds its cleanup: FINALIZING waits for that answer before it hands anything off)."""
     rec = step.record
     for pending in list(rec.pending_calls.values()):
         op = rec.operations[pending.operation_id]
@@ -54,8 +57,19 @@ def abandon_calls(step: Step, reason: str) -> None:
         step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, pending.call_id))
         step.do(CancelToolCall(pending.tool, op.effect_key))
         if pending.tool in step.policy.registry and step.policy.registry.get(pending.tool).probe:
+            request_id = step.new_id("probe")
+            obligation = step.record.obligations.get(f"obl-{op.operation_id}")
+            if obligation is not None and obligation.state is ObligationState.PLANNED:
+                step.emit(
+                    ObligationUpdated(
+                        obligation.obligation_id,
+                        obligation.state,
+                        f"probing after: {reason}",
+                        request_id=request_id,
+                    )
+                )
             deadline = step.now + step.policy.probe_timeout_s
-            step.do(ProbeTool(op.operation_id, pending.tool, op.effect_key, deadline))
+            step.do(ProbeTool(op.operation_id, pending.tool, op.effect_key, deadline, request_id))
     for queued in list(step.record.queued.values()):
         withdraw(
             step,
@@ -88,16 +102,25 @@ def enter_finalizing(step: Step, reason: ExitReason, detail: str) -> None:
     step.emit(StateChanged(step.record.state, S.FINALIZING, detail, exit_reason=reason))
 
 
-def finalize(step: Step) -> None:
-    """FINALIZING: release leases, check a completion claim, disarm every timer, settle terminal."""
-    for lease_id in list(step.record.leases):
-        step.emit(LeaseReleased(lease_id))
+def finalize(step: Step) -> bool:
+    """FINALIZING: check a completion claim, unwind the cleanup graph (waiting for what is in flight, up to
+    the hard deadline), write the handoff packet and hand off what is still owed, release leases, disarm
+    every timer, settle terminal. True when it reached the terminal state."""
+    from runtime._decide_cleanup import finish_cleanup, unwind
+
     rec = step.record
     if rec.exit_reason is ExitReason.COMPLETED and rec.check_passed is None:
         result = evaluate_completion(rec, rec.transcript)  # type: ignore[arg-type]
         step.emit(CompletionChecked(rec.contract.completion_check.name, result.passed, result.detail))
+    if not unwind(step):
+        return False
+    finish_cleanup(step)
+    for lease in list(step.record.leases.values()):
+        step.emit(LeaseReleased(lease.lease_id))
+        step.do(ReleaseLease(lease))
     step.disarm_all()
     rec = step.record
     assert rec.exit_reason is not None
     target = terminal_state_for(rec.exit_reason)
     step.emit(StateChanged(S.FINALIZING, target, f"exit: {rec.exit_reason.value}"))
+    return True

@@ -29,6 +29,7 @@ from runtime._decide_finalize import enter_finalizing
 from runtime._step import Step
 from runtime.effects import ProbeTool, SettleAdmission, StartTimer
 from runtime.events import (
+    LeaseAcquired,
     ModelCallFailed,
     OperationMarkedInDoubt,
     StateChanged,
@@ -38,7 +39,7 @@ from runtime.events import (
 )
 from runtime.inputs import Recovered, Started
 from runtime.ports import Usage
-from runtime.record import JsonValue, ModelOutcome, QueueStage, TimerKind
+from runtime.record import JsonValue, LeaseKind, ModelOutcome, QueueStage, TimerKind
 from runtime.states import ExitReason, TrajectoryState
 
 __all__ = ["RECOVERY", "on_recovered", "on_started"]
@@ -127,12 +128,31 @@ RECOVERY: Mapping[TrajectoryState, Callable[[Step], None]] = {
 
 def _ensure_deadline(step: Step) -> None:
     deadline = step.record.deadline
-    if deadline is not None and step.record.timer_of(TimerKind.DEADLINE) is None:
+    if deadline is None:
+        return
+    if step.record.timer_of(TimerKind.DEADLINE) is None:
         step.arm(TimerKind.DEADLINE, deadline)
+    forward = step.forward_deadline
+    armed = step.record.timer_of(TimerKind.RESERVE) is not None
+    if forward is not None and forward < deadline and not armed and step.record.state is not S.FINALIZING:
+        step.arm(TimerKind.RESERVE, forward)
+
+
+def _acquire_leases(step: Step) -> None:
+    """The workspace and credentials the trajectory holds, as leases FINALIZING gives back."""
+    until = step.record.deadline if step.record.deadline is not None else step.now + 86_400.0
+    wanted = []
+    if step.policy.workspace:
+        wanted.append(("lease-workspace", LeaseKind.WORKSPACE, step.policy.workspace))
+    wanted += [(f"lease-credential-{name}", LeaseKind.CREDENTIAL, name) for name in step.policy.credentials]
+    for lease_id, kind, resource in wanted:
+        if lease_id not in step.record.leases:
+            step.emit(LeaseAcquired(lease_id, kind, resource, until))
 
 
 def on_started(step: Step, inp: Started) -> None:
     if not step.record.is_terminal:
+        _acquire_leases(step)
         _ensure_deadline(step)
 
 

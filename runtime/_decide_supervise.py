@@ -46,6 +46,7 @@ from runtime.events import (
     EscalationOpened,
     EscalationResolved,
     GrantNarrowed,
+    HandoffWritten,
     HoldPlaced,
     HoldReleased,
     IncidentOpened,
@@ -111,15 +112,18 @@ class Screen:
 def open_escalation(step: Step, trigger: EscalationTrigger, summary: str, evidence: Mapping[str, Any]) -> str:
     """Open an escalation with the route's owner and SLA and the handoff packet; returns its id."""
     rec = step.record
-    route = _policy(step).escalations.route(trigger)
+    routes = _policy(step).escalations
+    route = routes.route(trigger)
+    # a trigger the workload routed nowhere goes to the trajectory's escalation owner (issue 11's handoff)
+    owner = route.owner if trigger in routes.routes else step.policy.escalation_owner
     escalation_id = f"esc-{rec.trajectory_id}-{rec.log_position}"
-    packet = handoff_packet(rec, trigger, summary, evidence)
+    packet = handoff_packet(rec, trigger, summary, evidence, now=step.now, owner=owner)
     step.emit(
         EscalationOpened(
             escalation_id,
             trigger.value,
             summary[:500],
-            route.owner,
+            owner,
             step.now,
             step.now + route.sla_s,
             json_safe(evidence),
@@ -719,6 +723,8 @@ def _trigger(step: Step, event: object) -> None:
         _unknown_tool(step, event)
     elif isinstance(event, StateChanged):
         _state_trigger(step, event)
+    elif isinstance(event, HandoffWritten):
+        _stuck_cleanup(step)
     elif isinstance(event, OperationSettled) and all(op.settled for op in rec.operations.values()):
         for esc in rec.supervision.open_escalations():
             if esc.trigger is EscalationTrigger.UNKNOWN_OUTCOME:
@@ -774,6 +780,29 @@ def _unknown_tool(step: Step, event: ObservationAppended) -> None:
             EscalationTrigger.NOVELTY,
             f"the model called a tool that does not exist: {message[:160]}",
             {"key": key, "call_id": event.call_id, "message": message[:500]},
+        )
+
+
+def _stuck_cleanup(step: Step) -> None:
+    """Cleanup handed off with the packet (issue 11): what could not be discharged needs a person."""
+    from runtime.obligations import ObligationState
+
+    owed = [
+        {
+            "obligation": o.obligation_id,
+            "tool": o.tool,
+            "state": o.state.value,
+            "evidence": list(o.evidence[-3:]),
+        }
+        for o in step.record.obligations.values()
+        if o.state in (ObligationState.HANDED_OFF, ObligationState.STUCK)
+    ]
+    if owed and not _already_escalated(step, EscalationTrigger.STUCK_CLEANUP, "stuck_cleanup"):
+        open_escalation(
+            step,
+            EscalationTrigger.STUCK_CLEANUP,
+            f"{len(owed)} cleanup obligation(s) could not be discharged and were handed off",
+            {"key": "stuck_cleanup", "obligations": owed},
         )
 
 

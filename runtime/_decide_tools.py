@@ -25,6 +25,14 @@ from typing import Any
 from runtime import _decide_children as children
 from runtime import _decide_supervise as supervise
 from runtime._decide_approval import hold
+from runtime._decide_cleanup import (
+    cleanup_timed_out,
+    is_cleanup,
+    on_cleanup_outcome,
+    on_cleanup_probe,
+    on_forward_settled,
+)
+from runtime._decide_commit import repair_attempt, repair_failed, repair_succeeded
 from runtime._decide_dispatch import queue_for_permit, refusal, refuse_call, stop_requested
 from runtime._step import Step
 from runtime.decisions import expired_calls, on_tool_result
@@ -40,7 +48,7 @@ from runtime.events import (
 from runtime.fingerprint import call_fingerprint, coarse_fingerprint
 from runtime.inputs import ProbeAnswered, ToolOutcomeReceived
 from runtime.operations import Operation
-from runtime.ports import Settlement, ToolCallProposal
+from runtime.ports import OutcomeClass, Settlement, ToolCallProposal
 from runtime.record import QueueStage, TimerKind
 from runtime.retry import RetryAction, after_probe, decide_retry
 from runtime.states import TrajectoryState
@@ -95,9 +103,15 @@ def _needs_approval(step: Step, tool: str) -> bool:
 def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
     """CALLING_MODEL with a tool_use reply appended: validate, watch, then hold, queue, or back to READY."""
     valid: list[tuple[ToolCallProposal, dict[str, Any]]] = []
+    exhausted = False
     for p in proposals:
         args, problem = _validate(step, p)
         fired = _observe(step, p, args)
+        capped = repair_attempt(step, p.tool) if p.tool in step.policy.registry else None
+        if capped is not None:
+            args, problem, exhausted = None, refusal("REPAIR_EPISODE_EXHAUSTED", capped), True
+        elif problem is not None and problem.get("reason") == "INVALID_ARGUMENTS":
+            repair_failed(step, p.tool, "its arguments were rejected before dispatch")
         if problem is not None:
             refuse_call(step, p.call_id, problem)
         # issue 12: disclosure rules and the watchdog ladder (inform, constrain, hold)
@@ -106,6 +120,14 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
             return
         if args is not None and screened == supervise.Screen.PASS:
             valid.append((p, args))
+    if exhausted:
+        # the recovery budget is spent: no automatic path remains, so a person inspects (§12.4.4)
+        for p, _ in valid:
+            body = {"status": "REFUSED", "reason": "DEFERRED", "message": "Paused for inspection; not sent."}
+            refuse_call(step, p.call_id, body)
+        step.emit(StateChanged(S.CALLING_MODEL, S.READY, "repair episode exhausted"))
+        step.emit(StateChanged(S.READY, S.PAUSED, "repair episode exhausted: awaiting operator inspection"))
+        return
 
     stop = stop_requested(step)
     if stop is not None and valid:
@@ -137,6 +159,9 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
 
 
 def on_tool_outcome(step: Step, inp: ToolOutcomeReceived) -> None:
+    if is_cleanup(inp.call_id):
+        on_cleanup_outcome(step, inp)
+        return
     outcome = inp.outcome
     # the attempt's permits come back with it: released exactly once, its class recorded if it was sent
     if inp.guard is not None or inp.sandbox is not None:
@@ -148,13 +173,20 @@ def on_tool_outcome(step: Step, inp: ToolOutcomeReceived) -> None:
     charge = 0.0
     if pending is not None and pending.tool in step.policy.registry and inp.dispatched:
         charge = step.policy.registry.get(pending.tool).charge
-    result = on_tool_result(rec, inp.call_id, outcome, charge)  # invariant 1: accepted only if pending
-    step.emit(result)
-    if isinstance(result, LateResultDropped) or pending is None:
+    accepted = on_tool_result(rec, inp.call_id, outcome, charge)  # invariant 1: accepted only if pending
+    step.emit(accepted)
+    if isinstance(accepted, LateResultDropped) or pending is None:
         settle_late(step, inp)
         return
     contract = step.policy.registry.get(pending.tool)
     step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, inp.call_id))
+    if outcome.outcome_class is not OutcomeClass.INFRASTRUCTURE_FAILURE:
+        payload = outcome.result if outcome.outcome_class is OutcomeClass.SUCCESS else None
+        on_forward_settled(step, inp.operation_id, outcome.settlement, payload, "its reply")
+    if outcome.outcome_class is OutcomeClass.CLIENT_REJECTION and inp.dispatched:
+        repair_failed(step, pending.tool, f"the endpoint rejected it: {outcome.error or 'client rejection'}")
+    elif outcome.settlement is Settlement.ESTABLISHED and outcome.outcome_class is OutcomeClass.SUCCESS:
+        repair_succeeded(step, pending.tool)
     if not inp.dispatched:
         return  # refused locally before anything was sent: known absent, nothing to retry
     op = step.record.operations[inp.operation_id]
@@ -224,13 +256,19 @@ def settle_late(step: Step, inp: ToolOutcomeReceived) -> None:
     if any(q.operation_id == op.operation_id for q in step.record.queued.values()):
         return  # a retry or probe of this operation is under way: it decides
     if inp.outcome.settlement is not Settlement.UNKNOWN:
-        step.emit(OperationSettled(op.operation_id, inp.outcome.settlement, "late result"))
+        result = inp.outcome.result if inp.outcome.outcome_class is OutcomeClass.SUCCESS else None
+        step.emit(
+            OperationSettled(op.operation_id, inp.outcome.settlement, "late result", result, op.call_id)
+        )
+        on_forward_settled(step, op.operation_id, inp.outcome.settlement, result, "a late reply")
     elif op.tool in step.policy.registry and step.policy.registry.get(op.tool).probe:
         deadline = step.now + step.policy.probe_timeout_s
         step.do(ProbeTool(op.operation_id, op.tool, op.effect_key, deadline))
 
 
 def on_probe_answered(step: Step, inp: ProbeAnswered) -> None:
+    if on_cleanup_probe(step, inp):
+        return
     rec = step.record
     op = rec.operations.get(inp.operation_id)
     if op is None:
@@ -239,7 +277,11 @@ def on_probe_answered(step: Step, inp: ProbeAnswered) -> None:
     awaited = any(p.operation_id == op.operation_id for p in rec.pending_calls.values())
     if settlement is not Settlement.UNKNOWN and not op.settled and not awaited:
         detail = f"probe: {inp.result.detail}" if inp.result.detail else "probe"
-        step.emit(OperationSettled(op.operation_id, settlement, detail))
+        result = inp.result.result if settlement is Settlement.ESTABLISHED else None
+        # the probe's stored reply counts as the call's result: it binds the obligation and the model sees it
+        call_id = op.call_id if not op.cleanup_of else None
+        step.emit(OperationSettled(op.operation_id, settlement, detail, result, call_id))
+        on_forward_settled(step, op.operation_id, settlement, result, "a probe")
     q = step.record.queued.get(op.call_id)
     if (
         step.record.state is not S.WAITING_TOOL
@@ -270,4 +312,7 @@ def on_probe_answered(step: Step, inp: ProbeAnswered) -> None:
 def call_timed_out(step: Step, call_id: str) -> None:
     """A call's deadline passed: its id leaves the pending set (a later result is dropped and audited) and
     its operation is in doubt, owned by the trajectory. A timeout settles nothing."""
+    if is_cleanup(call_id):
+        cleanup_timed_out(step, call_id)
+        return
     step.emit(*(ev for ev in expired_calls(step.record, step.now) if ev.call_id == call_id))

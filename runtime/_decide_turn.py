@@ -20,6 +20,7 @@ from runtime import _decide_children as children
 from runtime import _decide_supervise as supervise
 from runtime import decisions
 from runtime._decide_approval import awaiting
+from runtime._decide_cleanup import operator_act
 from runtime._decide_finalize import abandon_calls, enter_finalizing, finalize, halt_unfundable, withdraw
 from runtime._decide_tools import route
 from runtime._step import STOPS, Step
@@ -99,8 +100,7 @@ def advance(step: Step) -> None:
         elif state is S.WAITING_TOOL:
             moved = _waiting_tool(step)
         elif state is S.FINALIZING:
-            finalize(step)
-            moved = True
+            moved = finalize(step)  # False while cleanup is in flight
         else:  # CALLING_MODEL: the model call's result moves it on
             moved = False
         if not moved:
@@ -109,8 +109,15 @@ def advance(step: Step) -> None:
 
 
 def _deadline_passed(step: Step) -> bool:
-    deadline = step.record.deadline
-    return deadline is not None and step.now >= deadline
+    """Forward work is over: the deadline, less the finalization reserve that funds the way out, passed."""
+    forward = step.forward_deadline
+    return forward is not None and step.now >= forward
+
+
+def _deadline_detail(step: Step) -> str:
+    if step.record.deadline is not None and step.now < step.record.deadline:
+        return "trajectory deadline: entered the finalization reserve"
+    return "trajectory deadline passed"
 
 
 def _ready(step: Step) -> bool:
@@ -119,7 +126,7 @@ def _ready(step: Step) -> bool:
         return True
     if _deadline_passed(step):
         _abandon_request(step, "deadline")
-        enter_finalizing(step, ExitReason.DEADLINE_EXCEEDED, "trajectory deadline passed")
+        enter_finalizing(step, ExitReason.DEADLINE_EXCEEDED, _deadline_detail(step))
         return True
     rec = step.record
     if rec.turn_request is not None or rec.timer_of(TimerKind.BACKOFF) is not None:
@@ -190,7 +197,7 @@ def _paused(step: Step) -> bool:
             enter_finalizing(step, reason, f"{req.action.value} by {req.issuer}: {req.reason}")
             return True
     if _deadline_passed(step):
-        enter_finalizing(step, ExitReason.DEADLINE_EXCEEDED, "trajectory deadline passed while paused")
+        enter_finalizing(step, ExitReason.DEADLINE_EXCEEDED, _deadline_detail(step) + " while paused")
         return True
     _arm_hibernation(step)
     return False
@@ -458,7 +465,11 @@ def on_model_cancelled(step: Step, inp: ModelCancelled) -> None:
 
 def on_control(step: Step, inp: ControlReceived) -> None:
     """A verified message is recorded durably (the relay acknowledges it only then) and applied at the next
-    turn boundary; kill acts at once, and a pending stop aborts a streaming model call."""
+    turn boundary; kill acts at once, and a pending stop aborts a streaming model call. An operator's
+    settle or handoff acts on what the trajectory owes, at once and in any state."""
+    if inp.action in (ControlAction.SETTLE, ControlAction.HANDOFF):
+        operator_act(step, inp)
+        return
     if supervise.on_control(step, inp):  # issue 12: hold, release, acknowledge; resume under a hold
         return
     rec = step.record

@@ -218,6 +218,7 @@ def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord
             compensation=ev.compensation,
             repeat_safe=ev.repeat_safe,
             arguments=ev.arguments,
+            dispatched_at=ev.at,
         )
     else:
         if (existing.call_id, existing.tool, existing.effect_key) != (ev.call_id, ev.tool, ev.effect_key):
@@ -236,6 +237,7 @@ def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord
             liability=ev.liability,
             compensation=ev.compensation,
             repeat_safe=ev.repeat_safe,
+            dispatched_at=ev.at or existing.dispatched_at,
         )
     pending = PendingCall(
         ev.call_id,
@@ -272,6 +274,8 @@ def _result_accepted(rec: TrajectoryRecord, ev: ToolResultAccepted) -> Trajector
     op = settle(rec.operations[pending.operation_id], ev.settlement)
     if not op.settled:
         op = replace(op, in_doubt=True, owner=rec.trajectory_id)
+    elif ev.settlement is Settlement.ESTABLISHED and ev.error is None:
+        op = replace(op, result=ev.result)
     return replace(
         rec,
         pending_calls=without_item(rec.pending_calls, ev.call_id),
@@ -313,7 +317,10 @@ def _operation_settled(rec: TrajectoryRecord, ev: OperationSettled) -> Trajector
         op = settle(op, ev.settlement)
     except ValueError as exc:
         refuse(rec, ev, "settled_is_final", str(exc))
-    return replace(rec, operations=with_item(rec.operations, op.operation_id, op))
+    if ev.result is not None and op.settlement is Settlement.ESTABLISHED:
+        op = replace(op, result=ev.result)
+    transcript = (*rec.transcript, ev) if ev.call_id is not None else rec.transcript
+    return replace(rec, operations=with_item(rec.operations, op.operation_id, op), transcript=transcript)
 
 
 def _late_result(rec: TrajectoryRecord, ev: LateResultDropped) -> TrajectoryRecord:

@@ -23,6 +23,7 @@ from runtime.events import (
     Event,
     ObservationAppended,
     ObservationKind,
+    OperationSettled,
     ToolCallCancelled,
     ToolCallTimedOut,
     ToolResultAccepted,
@@ -63,6 +64,11 @@ def build_messages(events: Iterable[Event], system_prompt: str | None = None) ->
                 ev.call_id,
                 json.dumps({"status": "IN_DOUBT", "message": f"Cancelled ({ev.reason}); outcome unknown."}),
             )
+        elif isinstance(ev, OperationSettled) and ev.call_id is not None:
+            body: dict[str, Any] = {"status": ev.settlement.value.upper(), "recovered": ev.evidence}
+            if ev.settlement is Settlement.ESTABLISHED:
+                body["result"] = ev.result
+            answers[ev.call_id] = json.dumps(body, sort_keys=True, ensure_ascii=False, default=str)
         elif isinstance(ev, ChildSettled):  # issue 12: a delegated call's answer is its child's report
             answers[ev.call_id] = json.dumps(dict(ev.report), sort_keys=True, ensure_ascii=False, default=str)
         elif isinstance(ev, ChildCancelled):

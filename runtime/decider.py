@@ -108,7 +108,7 @@ def _timer_due(step: Step, inp: TimerDue) -> None:
         return
     step.emit(TimerFired(timer.timer_id))
     step.reply = "fired"
-    if timer.kind is TimerKind.DEADLINE:
+    if timer.kind in (TimerKind.DEADLINE, TimerKind.RESERVE):
         deadline_due(step)
     elif timer.kind is TimerKind.HIBERNATE:
         hibernate_due(step)

@@ -20,6 +20,7 @@ Each line: the effect — what the interpreter does — the input its result bec
 - ``CancelTimer``       — disarms a timer — none
 - ``KillProcesses``     — kills the trajectory's sandboxed process groups at once — none
 - ``Hibernate``         — the actor exits; the record stays in Redis; timers and signals wake it — none
+- ``ReleaseLease``      — gives a lease back (a workspace is torn down and removed) — none
 - ``PublishEscalation`` — writes an escalation (opened, taken into custody, resolved) to the cluster's
                           escalation registry (``tether escalations``) — none
 - ``OpenIncident``      — records an incident this trajectory opened (a disclosure rule) in the incident
@@ -46,7 +47,7 @@ from runtime.ports import (
     ToolInvocation,
     TurnRequest,
 )
-from runtime.record import Timer
+from runtime.record import Lease, Timer
 
 __all__ = [
     "AcquirePermit",
@@ -62,6 +63,7 @@ __all__ = [
     "OpenIncident",
     "ProbeTool",
     "PublishEscalation",
+    "ReleaseLease",
     "ReleasePermit",
     "ReportLimits",
     "RequestAdmission",
@@ -170,6 +172,11 @@ class Hibernate:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class ReleaseLease:
+    lease: Lease
+
+
 # --------------------------------------------------------------------------- supervision (issue 12)
 
 
@@ -219,6 +226,7 @@ Effect: TypeAlias = (
     | CancelTimer
     | KillProcesses
     | Hibernate
+    | ReleaseLease
     | PublishEscalation
     | OpenIncident
     | SpawnChild

@@ -137,31 +137,26 @@ class Escalation:
 
 
 def handoff_packet(
-    record: TrajectoryRecord, trigger: EscalationTrigger, summary: str, evidence: Mapping[str, Any]
+    record: TrajectoryRecord,
+    trigger: EscalationTrigger,
+    summary: str,
+    evidence: Mapping[str, Any],
+    *,
+    now: float,
+    owner: str,
 ) -> dict[str, Any]:
-    """The handoff packet of an escalation (reliability guide §8.3), from the record alone.
+    """The handoff packet of an escalation (reliability guide §8.3): the trajectory's packet
+    (``runtime.handoff.build_handoff``: the goal verbatim, what was done, what is pending and owed, how to
+    resume) with why this escalation stopped it, in the system's vocabulary, and its evidence."""
+    from runtime.handoff import build_handoff
 
-    Hook for issue 11: the full packet (obligations, leases, the side-effect ledger, the resume deadline)
-    belongs here; what this builds is the part the record already knows."""
-    done = []
-    pending = []
-    for op in record.operations.values():
-        row = {"operation": op.operation_id, "tool": op.tool, "effect_key": op.effect_key}
-        if op.settled:
-            done.append({**row, "settlement": op.settlement.value})
-        else:
-            pending.append({**row, "owner": op.owner or record.trajectory_id, "in_doubt": op.in_doubt})
-    if record.held is not None:
-        pending.append({"approval": record.held.digest, "tool": record.held.tool})
-    return {
-        "goal": record.contract.goal,  # verbatim, from the immutable contract
-        "done": done,
-        "pending": pending,
-        "why": {"trigger": trigger.value, "summary": summary, "evidence": dict(evidence)},
-        "state": record.state.value,
-        "resume": {
+    packet = build_handoff(record, now, owner)
+    packet["why"] = {"trigger": trigger.value, "summary": summary, "evidence": dict(evidence)}
+    if not record.is_terminal:
+        packet["resume"] = {
             "trajectory_id": record.trajectory_id,
-            "deadline": record.deadline,
-            "how": "tether resume / tether incident release / tether escalations ack",
-        },
-    }
+            "how": "it waits: tether resume (a watchdog's or an operator's hold), tether incident release "
+            "(an incident's hold), tether approve/deny (a held call), or tether kill",
+            "until": record.deadline,
+        }
+    return packet

@@ -44,6 +44,15 @@ Control and audit
   ``ControlRejected``     audit: a message refused (forged, replayed, expired, terminal trajectory, ...)
 Timers
   ``TimerStarted`` / ``TimerFired`` / ``TimerCancelled``  a timer armed, fired (an input), or disarmed
+Obligations, cleanup and handoff (``runtime.obligations``)
+  ``ObligationRegistered`` a compensation template, logged with the forward call's intent (before dispatch)
+  ``ObligationBound``     correlated evidence bound the template's target (e.g. the created env id)
+  ``ObligationUpdated``   its state moved (admitting, running, verifying, discharged, stuck, handed off...)
+                          with the evidence that moved it
+  ``CleanupDispatched`` / ``CleanupSettled``  the compensation's own operation: intent, then its outcome
+  ``HandoffWritten``      the handoff packet (goal, what was done, what is pending, why it stopped, ...)
+  ``OperatorActed``       an operator settled or handed off an operation or obligation (signed, audited)
+  ``RepairEpisodeChanged`` a repair episode opened, counted an admitted attempt, closed or was exhausted
   ``LateResultDropped``   audit: a result for a call that is not pending (never an accepted result)
 Budget, grants, pointers
   ``BudgetCharged``       additive charge per dimension (tool charges, sandbox seconds, ...)
@@ -74,6 +83,7 @@ from typing import ClassVar, TypeAlias
 from runtime.budget import BudgetStage
 from runtime.degradation import Rung
 from runtime.incident import HoldKind
+from runtime.obligations import ObligationState
 from runtime.ports import (
     GuardPermit,
     OutcomeClass,
@@ -94,6 +104,7 @@ from runtime.record import (
     TaskContract,
     TimerKind,
 )
+from runtime.repair import EpisodeState, RepairChoice
 from runtime.states import ExitReason, TrajectoryState
 
 __all__ = [
@@ -108,6 +119,8 @@ __all__ = [
     "ChildCancelled",
     "ChildSettled",
     "ChildSpawned",
+    "CleanupDispatched",
+    "CleanupSettled",
     "CompletionChecked",
     "ControlApplied",
     "ControlRejected",
@@ -117,6 +130,7 @@ __all__ = [
     "EscalationResolved",
     "Event",
     "GrantNarrowed",
+    "HandoffWritten",
     "HoldPlaced",
     "HoldReleased",
     "IncidentOpened",
@@ -127,13 +141,18 @@ __all__ = [
     "ModelCallFailed",
     "ModelCallIntent",
     "ModelCallSettled",
+    "ObligationBound",
+    "ObligationRegistered",
+    "ObligationUpdated",
     "ObservationAppended",
     "ObservationKind",
     "OperationMarkedInDoubt",
     "OperationSettled",
+    "OperatorActed",
     "PointerMoved",
     "PointerName",
     "ProgressObserved",
+    "RepairEpisodeChanged",
     "RungChanged",
     "StateChanged",
     "TimerCancelled",
@@ -484,6 +503,7 @@ class ToolDispatchIntent:
     approval_digest: str | None = None
     guard_permit: GuardPermit | None = None
     sandbox_permit: SandboxPermit | None = None
+    at: float = 0.0  # when the attempt was decided (epoch seconds): how long an unknown outcome has waited
 
     def __post_init__(self) -> None:
         for name in ("call_id", "tool", "effect_key", "operation_id", "attempt_id"):
@@ -542,10 +562,17 @@ class OperationMarkedInDoubt:
 
 @dataclass(frozen=True, slots=True)
 class OperationSettled:
+    """Correlated evidence settled an operation: a late reply, a probe (``result``: the endpoint's stored
+    reply, so a recovered provisioning binds its resource), or an operator (``by_operator``: accepted as
+    their word, recorded as such)."""
+
     kind: ClassVar[str] = "operation_settled"
     operation_id: str
     settlement: Settlement
     evidence: str
+    result: JsonValue = None
+    call_id: str | None = None  # the model's call it answers (so its context shows the recovered result)
+    by_operator: bool = False
 
     def __post_init__(self) -> None:
         _check(self.settlement is not Settlement.UNKNOWN, "only evidence of an outcome settles an operation")
@@ -634,6 +661,119 @@ class TimerFired:
 class TimerCancelled:
     kind: ClassVar[str] = "timer_cancelled"
     timer_id: str
+
+
+# --------------------------------------------------------------------------- obligations and handoff
+
+
+@dataclass(frozen=True, slots=True)
+class ObligationRegistered:
+    kind: ClassVar[str] = "obligation_registered"
+    obligation_id: str
+    operation_id: str
+    forward_tool: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    unbound: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    on_completion: bool = False
+    postcondition: Mapping[str, JsonValue] = field(default_factory=dict)
+    duty: str = "compensation"  # or "outbox": a pivot's follow-up duty
+    at: float = 0.0  # when it was registered (epoch seconds)
+
+    def __post_init__(self) -> None:
+        for name in ("obligation_id", "operation_id", "forward_tool", "tool"):
+            _id(getattr(self, name), name)
+
+
+@dataclass(frozen=True, slots=True)
+class ObligationBound:
+    kind: ClassVar[str] = "obligation_bound"
+    obligation_id: str
+    arguments: Mapping[str, JsonValue]
+    resource: str
+    evidence: str
+
+
+@dataclass(frozen=True, slots=True)
+class ObligationUpdated:
+    kind: ClassVar[str] = "obligation_updated"
+    obligation_id: str
+    state: ObligationState
+    evidence: str
+    owner: str = ""
+    request_id: str | None = None
+    accepted_risk: bool = False
+
+    def __post_init__(self) -> None:
+        _id(self.evidence, "evidence")
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupDispatched:
+    kind: ClassVar[str] = "cleanup_dispatched"
+    obligation_id: str
+    operation_id: str
+    attempt_id: str
+    effect_key: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    deadline: float
+    guard_permit: GuardPermit | None = None
+    sandbox_permit: SandboxPermit | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("obligation_id", "operation_id", "attempt_id", "effect_key", "tool"):
+            _id(getattr(self, name), name)
+        _time(self.deadline, "deadline")
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupSettled:
+    kind: ClassVar[str] = "cleanup_settled"
+    obligation_id: str
+    settlement: Settlement
+    outcome_class: OutcomeClass
+    result: JsonValue = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffWritten:
+    kind: ClassVar[str] = "handoff_written"
+    packet: Mapping[str, JsonValue]
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorActed:
+    """An operator's signed decision about an effect (``tether settle``, ``tether handoff``), applied
+    whatever state the trajectory is in (obligations outlive the loop)."""
+
+    kind: ClassVar[str] = "operator_acted"
+    message_id: str
+    action: ControlAction
+    issuer: str
+    target: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _id(self.message_id, "message_id")
+        _id(self.issuer, "issuer")
+
+
+@dataclass(frozen=True, slots=True)
+class RepairEpisodeChanged:
+    kind: ClassVar[str] = "repair_episode_changed"
+    tool: str
+    episode_id: str
+    state: EpisodeState
+    attempts: int
+    cap: int
+    choice: RepairChoice
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check(self.attempts >= 0 and self.cap >= 0, "attempts and cap are >= 0")
 
 
 # --------------------------------------------------------------------------- budget, grants, pointers
@@ -940,6 +1080,14 @@ Event: TypeAlias = (
     | TimerStarted
     | TimerFired
     | TimerCancelled
+    | ObligationRegistered
+    | ObligationBound
+    | ObligationUpdated
+    | CleanupDispatched
+    | CleanupSettled
+    | HandoffWritten
+    | OperatorActed
+    | RepairEpisodeChanged
     | BudgetCharged
     | WallClockMeasured
     | BudgetStageChanged
@@ -998,6 +1146,14 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         TimerStarted,
         TimerFired,
         TimerCancelled,
+        ObligationRegistered,
+        ObligationBound,
+        ObligationUpdated,
+        CleanupDispatched,
+        CleanupSettled,
+        HandoffWritten,
+        OperatorActed,
+        RepairEpisodeChanged,
         BudgetCharged,
         WallClockMeasured,
         BudgetStageChanged,

@@ -146,15 +146,20 @@ def order_restrictions(
 
 
 def cleanup_tools(record: TrajectoryRecord) -> frozenset[str]:
-    """Tools the trajectory's registered cleanup dispatches: the compensation of every operation whose
-    effect may exist (established, or still in doubt). Their grants are never revoked by containment."""
+    """Tools the trajectory's registered cleanup dispatches: every obligation not yet discharged (the
+    cleanup graph of issue 11), and the compensation of every operation whose effect may exist. Their
+    grants are never revoked by containment."""
+    from runtime.obligations import ObligationState
     from runtime.ports import Settlement
 
-    return frozenset(
+    done = (ObligationState.DISCHARGED, ObligationState.COMMITTED, ObligationState.HANDED_OFF)
+    owed = {o.tool for o in record.obligations.values() if o.state not in done}
+    compensations = {
         op.compensation
         for op in record.operations.values()
         if op.compensation is not None and op.settlement is not Settlement.ESTABLISHED_ABSENT
-    )
+    }
+    return frozenset(owed | compensations)
 
 
 def unresolved_owners(record: TrajectoryRecord) -> list[dict[str, Any]]:

@@ -51,6 +51,9 @@ class Operation:
     compensation: str | None = None
     repeat_safe: bool = False
     arguments: Mapping[str, object] = field(default_factory=dict)  # as dispatched (canonical JSON)
+    result: object = None  # the established result (a reply, or recovered by a probe)
+    cleanup_of: str | None = None  # the obligation this operation is the compensation of
+    dispatched_at: float = 0.0  # when its latest attempt was decided (epoch seconds)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:

@@ -52,6 +52,13 @@ class TrajectoryPolicy:
     system_prompt: str | None = None
     idle_hibernate_s: float | None = None  # waiting (paused, awaiting approval) longer than this: hibernate
     rng_seed: int = 0  # the decider's only source of randomness (backoff jitter)
+    escalation_owner: str = "operator"  # who receives the handoff packet and what is still owed
+    repair_cap: int = 3  # corrective attempts of one repair episode (counted at admission)
+    repair_success_probability: float | None = None  # p of the failure class, for the repair-vs-rebuild rule
+    repair_attempt_cost: float | None = None  # C_r, in any unit shared with the fallback cost
+    repair_fallback_cost: float | None = None  # C_f: compensating and rebuilding to the same point
+    workspace: str | None = None  # the trajectory's sandbox workspace: a lease released in FINALIZING
+    credentials: tuple[str, ...] = ()  # credential leases the trajectory holds, released in FINALIZING
     # issue 12: the watchdog ladder, task-state projection, disclosure rules, escalation routes,
     # degradation ladder and delegation template (runtime.supervision)
     supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)

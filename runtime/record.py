@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from runtime.budget import BudgetCeilings, BudgetStage, Spend
 from runtime.incident import Hold
+from runtime.obligations import Obligation
 from runtime.operations import Operation
 from runtime.ports import GuardPermit, SandboxPermit
+from runtime.repair import RepairEpisode
 from runtime.states import TERMINAL_STATES, ExitReason, TrajectoryState
 from runtime.supervision import SupervisionState
 from runtime.watchdog import WatchdogState
@@ -90,6 +92,8 @@ class ControlAction(StrEnum):
     KILL = "kill"
     APPROVE = "approve"
     DENY = "deny"
+    SETTLE = "settle"  # an operator settles an unknown operation or a stuck obligation (with evidence)
+    HANDOFF = "handoff"  # an operator takes (or assigns) custody of what the trajectory still owes
     # issue 12: holds and custody (applied on arrival, never left pending)
     HOLD = "hold"  # place a control hold, or an incident's hold (payload ``incident_id``)
     RELEASE = "release"  # lift a hold (an incident's only with its ``incident_id``)
@@ -127,6 +131,7 @@ class AuditKind(StrEnum):
     LATE_RESULT_DROPPED = "late_result_dropped"
     CONTROL_REJECTED = "control_rejected"
     CONTROL_REFUSED = "control_refused"  # recorded, then refused when applied (e.g. a stale-digest approval)
+    OPERATOR_ACTED = "operator_acted"  # an operator settled or took custody of an effect
 
 
 class TimerKind(StrEnum):
@@ -134,7 +139,8 @@ class TimerKind(StrEnum):
     gone (waking a hibernated trajectory); the others live only as long as the actor, and recovery re-arms
     them from the record."""
 
-    DEADLINE = "deadline"  # the trajectory's absolute deadline (durable)
+    DEADLINE = "deadline"  # the trajectory's absolute deadline: cleanup must end by it (durable)
+    RESERVE = "reserve"  # forward work ends here; the finalization reserve funds the way out (durable)
     APPROVAL_EXPIRY = "approval_expiry"  # a held call's expiry: silence is denial (durable)
     HIBERNATE = "hibernate"  # idle long enough in a wait: the actor may exit
     BACKOFF = "backoff"  # the next model call waits out a backoff
@@ -144,7 +150,12 @@ class TimerKind(StrEnum):
 
     @property
     def durable(self) -> bool:
-        return self in (TimerKind.DEADLINE, TimerKind.APPROVAL_EXPIRY, TimerKind.HOLD_EXPIRY)
+        return self in (
+            TimerKind.DEADLINE,
+            TimerKind.RESERVE,
+            TimerKind.APPROVAL_EXPIRY,
+            TimerKind.HOLD_EXPIRY,
+        )
 
 
 class QueueStage(StrEnum):
@@ -424,6 +435,9 @@ class TrajectoryRecord:
     timers: Mapping[str, Timer] = field(default_factory=dict)
     watchdog: WatchdogState = field(default_factory=WatchdogState)
     excluded_wait_s: float = 0.0  # time spent awaiting approval: charged to the request, not the budget
+    obligations: Mapping[str, Obligation] = field(default_factory=dict)  # compensations owed, by id
+    handoff: Mapping[str, JsonValue] | None = None  # the packet written on an exit that was not clean
+    repairs: Mapping[str, RepairEpisode] = field(default_factory=dict)  # the latest episode per tool
     # the workload's policy for this trajectory (not folded: it comes from the launch, see runtime.policy)
     policy: TrajectoryPolicy = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     # issue 12: the one hold flag (watchdog, control, incident) and what supervision folds from the log

@@ -168,18 +168,33 @@ class Compensation:
     (``from_args``: forward argument -> compensation argument), and ``fixed`` constants.
 
     Registered before dispatch as a template with unbound result fields (recovery chapter §12.3);
-    :meth:`bind` fills them once the result arrives."""
+    :meth:`bind` fills them once the result arrives.
+
+    The cleanup graph and its evidence (``runtime.obligations``): ``after`` names tools whose obligations
+    must be discharged before this one runs (stop the test before releasing its environment);
+    ``postcondition`` names fields the compensation's verified result must carry (``{"released": true}``):
+    without a probe of the compensation's effect key or a declared postcondition, nothing can show the
+    compensation worked, and the obligation is handed off instead of being recorded clean.
+    ``on_completion``: the resource is temporary, so it is released when the trajectory completes too
+    (otherwise a completed task keeps what it did)."""
 
     tool: str
     from_result: Mapping[str, str] = field(default_factory=dict)
     from_args: Mapping[str, str] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)
+    after: tuple[str, ...] = ()
+    postcondition: Mapping[str, Any] = field(default_factory=dict)
+    on_completion: bool = False
 
     def __post_init__(self) -> None:
         where = f"compensation[{self.tool}]"
         object.__setattr__(self, "from_result", _frozen_str_map(self.from_result, f"{where}.from_result"))
         object.__setattr__(self, "from_args", _frozen_str_map(self.from_args, f"{where}.from_args"))
         object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
+        object.__setattr__(self, "postcondition", MappingProxyType(dict(self.postcondition)))
+        object.__setattr__(self, "after", tuple(self.after))
+        if any(not isinstance(t, str) or not t for t in self.after):
+            raise ToolContractError("after names tools", where=f"{where}.after")
         targets = [*self.from_result.values(), *self.from_args.values(), *self.fixed]
         duplicated = sorted({t for t in targets if targets.count(t) > 1})
         if duplicated:
@@ -221,9 +236,14 @@ class ToolContract:
     needs_approval: bool | None = None  # None: True exactly when irreversible
     target_keys: tuple[str, ...] = ()  # arguments naming the resource acted on (coarse fingerprint)
     isolate_network: bool = False  # run the sandboxed process without network access
-    # A pivot (recovery chapter §12.4): once it is established the saga completes forward; what ran before
-    # it is no longer compensated. Parsed and carried here; the cleanup graph decides what it means.
+    # A pivot (recovery chapter §12.5.2): the one irreversible commitment of its region. Every check that can
+    # run before it runs before it (``prechecks``: tools with a successful result since the last pivot);
+    # once established, what it ``commits`` (forward tools of the region) is no longer compensated, and its
+    # ``follow_up`` duties are staged in the outbox in the same durable batch as its outcome (§12.5.3).
     pivot: bool = False
+    prechecks: tuple[str, ...] = ()
+    commits: tuple[str, ...] = ()
+    follow_up: tuple[Compensation, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"tool[{self.name!r}]"
@@ -244,6 +264,13 @@ class ToolContract:
             raise ToolContractError("probe-then-retry needs a probe", where=f"{where}.probe")
         if self.side_effect is SideEffect.REVERSIBLE and self.compensation is None:
             raise ToolContractError("a reversible tool must declare its compensation", where=f"{where}")
+        if (self.prechecks or self.commits or self.follow_up) and not self.pivot:
+            raise ToolContractError(
+                "prechecks, commits and follow_up belong to a pivot", where=f"{where}.pivot"
+            )
+        object.__setattr__(self, "prechecks", tuple(self.prechecks))
+        object.__setattr__(self, "commits", tuple(self.commits))
+        object.__setattr__(self, "follow_up", tuple(self.follow_up))
         fields = set(self.argument_names)
         unknown_targets = sorted(set(self.target_keys) - fields)
         if unknown_targets:
@@ -362,6 +389,42 @@ class ToolRegistry:
             unknown = sorted(bound - target_fields)
             if unknown:
                 raise ToolContractError(f"{comp.tool!r} has no arguments {', '.join(unknown)}", where=where)
+            missing = sorted(t for t in comp.after if t not in self._tools)
+            if missing:
+                raise ToolContractError(f"after names unregistered tools: {', '.join(missing)}", where=where)
+        for contract in self._tools.values():
+            where = f"tool[{contract.name!r}]"
+            named = [*contract.prechecks, *contract.commits, *(f.tool for f in contract.follow_up)]
+            missing = sorted({t for t in named if t not in self._tools})
+            if missing:
+                raise ToolContractError(
+                    f"the pivot names unregistered tools: {', '.join(missing)}", where=where
+                )
+        self._check_cleanup_order()
+
+    def _check_cleanup_order(self) -> None:
+        """Declared cleanup dependencies form a DAG (recovery chapter §12.3.4): a cycle is contradictory and
+        needs an operator, not an arbitrary order."""
+        edges = {
+            name: set(c.compensation.after) for name, c in self._tools.items() if c.compensation is not None
+        }
+        state: dict[str, int] = {}
+
+        def visit(node: str, path: list[str]) -> None:
+            if state.get(node) == 2:
+                return
+            if state.get(node) == 1:
+                cycle = " -> ".join([*path[path.index(node) :], node])
+                raise ToolContractError(
+                    f"cleanup dependencies form a cycle: {cycle}", where="compensation.after"
+                )
+            state[node] = 1
+            for nxt in sorted(edges.get(node, ())):
+                visit(nxt, [*path, node])
+            state[node] = 2
+
+        for name in sorted(edges):
+            visit(name, [])
 
     def openai_tool_specs(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """OpenAI tool specs for ``names`` (all tools when None), in the order given (sorted for all).

@@ -87,6 +87,8 @@ def _settle_terminal(rec: TrajectoryRecord, ev: StateChanged) -> str | None:
         return "calls_pending"
     if rec.leases:
         return "leases_held"
+    if any(o.state.value in ("admitting", "running", "verifying") for o in rec.obligations.values()):
+        return "cleanup_in_flight"
     if ev.to_state is S.COMPLETED and rec.check_passed is not True:
         return "completion_check_not_passed"
     return None

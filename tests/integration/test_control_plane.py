@@ -494,7 +494,10 @@ async def test_kill_mid_tool_call_acts_at_once_and_leaves_the_call_in_doubt(plan
     assert summary["exit_reason"] == "KILLED" and final.exit_reason is not None
     assert final.exit_reason.value == "KILLED" and final.is_terminal
     op = final.operations[pending.operation_id]
-    assert op.in_doubt and op.owner == tid
+    # ... handed off with the packet: owned by the escalation owner once the trajectory stops acting
+    assert op.in_doubt and op.owner == "operator"
+    assert final.handoff is not None
+    assert [u["operation_id"] for u in final.handoff["pending"]["unknown_operations"]] == [op.operation_id]
     states = [(e.from_state, e.to_state) for e in kinds(await plane.events(tid), StateChanged)]
     assert (S.WAITING_TOOL, S.READY) in states[-4:] and states[-2][1] is S.FINALIZING
 
@@ -534,5 +537,8 @@ async def test_kill_while_a_sandboxed_command_runs_leaves_no_process_and_the_cal
     final = await plane.record(tid)
     assert summary["exit_reason"] == "KILLED" and final.is_terminal
     op = final.operations[pending.operation_id]
-    assert op.in_doubt and op.owner == tid
+    # ... handed off with the packet: owned by the escalation owner once the trajectory stops acting
+    assert op.in_doubt and op.owner == "operator"
+    assert final.handoff is not None
+    assert [u["operation_id"] for u in final.handoff["pending"]["unknown_operations"]] == [op.operation_id]
     assert [e.tool for e in kinds(await plane.events(tid), ToolDispatchIntent)] == ["run_command"]

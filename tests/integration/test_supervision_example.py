@@ -6,7 +6,7 @@ evidence collected once and judged per claim below:
 - a looping trajectory reaches the hold and appears in ``tether escalations`` with its detector's evidence;
 - an incident opened on a tool holds every trajectory using it, the artifacts they produced are quarantined
   and refused as another trajectory's input (judged by the testbed's own record of note reads), and their
-  cleanup completes (judged by the provisioner's own record of environments; pending issue 11);
+  cleanup completes when they end (judged by the provisioner's own record of environments);
 - a dependency outage moves trajectories to the constrained rung and their results say so;
 - a parent delegates to three children and the sum of all spend never exceeds the parent's budget (each
   child's spend read from its own record);
@@ -268,12 +268,9 @@ def test_an_incident_on_a_tool_holds_its_users_and_quarantined_artifacts_are_ref
     assert incident["status"] == "closed", evidence.incident_closing
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11: FINALIZING does not run registered compensation yet, so the held provisioners' "
-    "environments stay allocated after they end (remove this mark when cleanup-on-exit lands)",
-)
 def test_the_held_trajectories_cleanup_still_completes(evidence: Evidence) -> None:
+    # the incident revoked provision_env from both, not release_env; ending them ran their registered
+    # cleanup although they were held: the provisioner's own record shows nothing left allocated
     ledger = evidence.ledger_at_end
     assert ledger is not None
     ours = [e for e in ledger.environments if e.tenant == "acme"]

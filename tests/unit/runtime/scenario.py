@@ -204,13 +204,21 @@ def examples() -> list[Event]:
         ChildCancelled,
         ChildSettled,
         ChildSpawned,
+        CleanupDispatched,
+        CleanupSettled,
         EscalationAcknowledged,
         EscalationOpened,
         EscalationResolved,
+        HandoffWritten,
         HoldPlaced,
         HoldReleased,
         IncidentOpened,
+        ObligationBound,
+        ObligationRegistered,
+        ObligationUpdated,
+        OperatorActed,
         ProgressObserved,
+        RepairEpisodeChanged,
         RungChanged,
         TimerCancelled,
         TimerFired,
@@ -222,8 +230,10 @@ def examples() -> list[Event]:
         WatchdogFired,
     )
     from runtime.incident import HoldKind
+    from runtime.obligations import ObligationState
     from runtime.ports import GuardPermit, OutcomeClass, SandboxPermit, Settlement, ToolCallProposal
     from runtime.record import QueueStage, TimerKind
+    from runtime.repair import EpisodeState, RepairChoice
 
     return [
         created(parent_id="traj-0", workspace_ref="ws://1"),
@@ -284,6 +294,19 @@ def examples() -> list[Event]:
             guard_permit=GuardPermit("g-1", "test-service", 2, False),
             sandbox_permit=SandboxPermit("s-1", "default", T0 + 60),
         ),
+        ObligationRegistered(
+            "obl-op-c2", "op-c2", "write_file", "delete_file", {"path": "a.txt"}, ("token",), ("run_tests",)
+        ),
+        ObligationBound("obl-op-c2", {"path": "a.txt", "token": "t-1"}, "delete_file:{}", "result of c2"),
+        ObligationUpdated("obl-op-c2", ObligationState.ADMITTING, "finalizing", request_id="permit-9"),
+        CleanupDispatched(
+            "obl-op-c2", "cop-obl-op-c2", "cop-obl-op-c2#a1", "ek-cop", "delete_file", {}, T0 + 30
+        ),
+        CleanupSettled("obl-op-c2", Settlement.ESTABLISHED, OutcomeClass.SUCCESS, {"deleted": True}),
+        HandoffWritten({"goal": "x", "pending": {"obligations": []}}),
+        OperatorActed("9-0", ControlAction.SETTLE, "op:alice", "op-c4", "checked by hand"),
+        OperationSettled("op-c5", Settlement.ESTABLISHED, "probe", {"env_id": "e-1"}, "c5", False),
+        RepairEpisodeChanged("write_file", "repair-4.1", EpisodeState.OPEN, 1, 3, RepairChoice.REPAIR, "x"),
         # issue 12: supervision
         HoldPlaced(HoldKind.INCIDENT, "disclosure", "policy:disclosure", T0 + 5, "inc-1", "esc-1"),
         HoldReleased(HoldKind.INCIDENT, "op:alice", "reviewed", "inc-1"),

@@ -38,6 +38,7 @@ from runtime.effects import (
     OpenIncident,
     ProbeTool,
     PublishEscalation,
+    ReleaseLease,
     ReleasePermit,
     ReportLimits,
     RequestAdmission,
@@ -141,6 +142,8 @@ class SimTools:
     probe_answers: dict[str, ProbeResult] = field(default_factory=dict)  # tool -> fixed probe answer
     probes: list[str] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    allocated: set[str] = field(default_factory=set)  # the env service's own view: environments still billed
+    released: set[str] = field(default_factory=set)
 
     def invoke(self, inv: ToolInvocation, now: float) -> ToolOutcome | None:
         self.deliveries.append(Delivery(inv.tool, inv.call_id, inv.effect_key, inv.attempt_id, now))
@@ -228,8 +231,15 @@ def registry(*extra: ToolContract) -> ToolRegistry:
 
 
 def provision_contracts(
-    repeat: RepeatContract = RepeatContract.PROBE_THEN_RETRY, *, probe: bool = True
+    repeat: RepeatContract = RepeatContract.PROBE_THEN_RETRY,
+    *,
+    probe: bool = True,
+    release_probe: bool = True,
+    postcondition: Mapping[str, Any] | None = None,
+    on_completion: bool = True,
+    after: tuple[str, ...] = (),
 ) -> list[ToolContract]:
+    """provision_env (compensated by release_env, bound from its result's env_id) and release_env."""
     return [
         ToolContract(
             name="provision_env",
@@ -239,19 +249,48 @@ def provision_contracts(
             repeat=repeat,
             probe=probe,
             dependency_scope="env-service",
-            compensation=Compensation(tool="release_env", from_result={"env_id": "env_id"}),
+            compensation=Compensation(
+                tool="release_env",
+                from_result={"env_id": "env_id"},
+                postcondition={"released": True} if postcondition is None else postcondition,
+                on_completion=on_completion,
+                after=after,
+            ),
         ),
         ToolContract(
             name="release_env",
             description="Release an environment.",
             arguments=ReleaseArgs,
-            side_effect=SideEffect.REVERSIBLE,
+            side_effect=SideEffect.IRREVERSIBLE,
+            needs_approval=False,
             repeat=RepeatContract.IDEMPOTENT,
-            probe=True,
+            probe=release_probe,
             dependency_scope="env-service",
-            compensation=Compensation(tool="release_env", from_args={"env_id": "env_id"}),
         ),
     ]
+
+
+def env_service(tools: SimTools) -> None:
+    """provision_env allocates env-<n> (its result names it); release_env releases it (the ledger keeps
+    which are still allocated: ``tools.allocated``)."""
+
+    def provision(inv: ToolInvocation) -> ToolOutcome:
+        env_id = f"env-{len(tools.allocated) + len(tools.released) + 1}"
+        tools.allocated.add(env_id)
+        return ToolOutcome(Settlement.ESTABLISHED, OutcomeClass.SUCCESS, {"env_id": env_id})
+
+    def release(inv: ToolInvocation) -> ToolOutcome:
+        env_id = str(inv.arguments["env_id"])
+        if env_id not in tools.allocated and env_id not in tools.released:
+            return ToolOutcome(
+                Settlement.ESTABLISHED_ABSENT, OutcomeClass.CLIENT_REJECTION, error="no such env"
+            )
+        tools.allocated.discard(env_id)
+        tools.released.add(env_id)
+        return ToolOutcome(Settlement.ESTABLISHED, OutcomeClass.SUCCESS, {"env_id": env_id, "released": True})
+
+    tools.behaviour.setdefault("provision_env", provision)
+    tools.behaviour.setdefault("release_env", release)
 
 
 def created(
@@ -329,6 +368,7 @@ class Sim:
         self.reported: list[ReportLimits] = []
         self.released: list[ReleasePermit] = []
         self.kills = 0
+        self.released_leases: list[Any] = []
         self.hibernated = False
         self._ids = 0
         # issue 12: what the cluster's registries would hold, and the children asked for
@@ -545,6 +585,8 @@ class Sim:
             self.durable_timers.pop(effect.timer.timer_id, None)
         elif isinstance(effect, KillProcesses):
             self.kills += 1
+        elif isinstance(effect, ReleaseLease):
+            self.released_leases.append(effect.lease)
         elif isinstance(effect, Hibernate):
             self.hibernated = True
             self.timers = dict(self.durable_timers)  # the actor's local timers die with it

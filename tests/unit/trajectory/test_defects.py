@@ -13,7 +13,7 @@ from runtime.events import CallObserved, TimerStarted
 from runtime.fingerprint import call_digest
 from runtime.fold import fold
 from runtime.inputs import PermitRefused
-from runtime.ports import Usage
+from runtime.ports import Settlement, Usage
 from runtime.record import ControlAction, TimerKind
 from runtime.states import ExitReason, TrajectoryState
 from runtime.tools import RepeatContract
@@ -98,7 +98,7 @@ def test_cancel_cancels_calls_in_flight_instead_of_waiting_them_out() -> None:
     assert any(isinstance(e, CancelToolCall) for e in sim.effects)
     assert any(isinstance(e, ProbeTool) for e in sim.effects)
     op = next(iter(rec.operations.values()))
-    assert op.settled or (op.in_doubt and op.owner == "t1")
+    assert op.settlement is Settlement.ESTABLISHED_ABSENT  # the probe's evidence: it never took effect
 
 
 # --------------------------------------------------------------------------- 3. nothing not yet sent is sent

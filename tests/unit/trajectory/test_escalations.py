@@ -27,7 +27,7 @@ from runtime.record import ControlAction
 from runtime.states import ExitReason, TrajectoryState
 from runtime.supervision import SupervisionPolicy
 
-from .sim import Sim, done, policy
+from .sim import Sim, done, env_service, policy
 from .supervised import calls, contracts, escalations_of, reply, sim_for, supervised
 
 S = TrajectoryState
@@ -59,7 +59,8 @@ def test_a_call_held_for_approval_is_an_escalation_until_decided() -> None:
     (esc,) = escalations_of(sim, T.APPROVAL_REQUEST)
     assert (esc.owner, esc.due_at - esc.opened_at, esc.status) == ("approvers", 600.0, EscalationStatus.OPEN)
     assert esc.evidence["digest"] == call_digest("notify", NOTIFY)
-    assert esc.handoff["pending"] == [{"approval": esc.evidence["digest"], "tool": "notify"}]
+    assert esc.handoff["pending"]["approval"]["digest"] == esc.evidence["digest"]
+    assert "tether approve" in esc.handoff["resume"]["how"]
     # When it is approved, it is resolved (and the registry is told)
     sim.control("a1", ControlAction.APPROVE, payload={"call_digest": call_digest("notify", NOTIFY)})
     sim.run()
@@ -143,10 +144,13 @@ def test_an_end_with_operations_in_doubt_escalates_until_evidence_settles_them(
     sim.control("k1", ControlAction.KILL)
     rec = sim.run()
     assert rec.exit_reason is ExitReason.KILLED
-    # Then the unknown outcome is an escalation with the operation and its owner, resolved only by evidence
-    (esc,) = escalations_of(sim, T.UNKNOWN_OUTCOME)
-    assert esc.evidence["operations"][0]["tool"] == "provision_env"
-    assert (sim.escalations[esc.escalation_id].status is EscalationStatus.OPEN) is open_at_end
+    # Then an unknown outcome at the end is an escalation with the operation and its owner; evidence that
+    # settles it (here: the probe FINALIZING waits for) leaves no open one
+    found = escalations_of(sim, T.UNKNOWN_OUTCOME)
+    still_open = [e for e in found if sim.escalations[e.escalation_id].status is EscalationStatus.OPEN]
+    assert bool(still_open) is open_at_end
+    if open_at_end:
+        assert still_open[0].evidence["operations"][0]["tool"] == "provision_env"
 
 
 # --------------------------------------------------------------------------- custody
@@ -208,3 +212,28 @@ def test_sla_rows(acknowledged_at: float | None, now: float, missed: bool) -> No
         "e", "t", T.GUARD, "s", "oncall", 1_000.0, 1_600.0, status=status, acknowledged_at=acknowledged_at
     )
     assert esc.sla_missed(now) is missed
+
+
+@pytest.mark.parametrize("release_works", [False, True], ids=["release fails", "control: release works"])
+def test_cleanup_that_cannot_be_discharged_is_a_stuck_cleanup_escalation(release_works: bool) -> None:
+    # Given an environment provisioned (its release is registered cleanup), then the trajectory cancelled
+    tools = frozenset({"provision_env", "release_env"})
+    sim = sim_for(
+        one_call_then_done("provision_env", {"name": "e1"}), supervised(), tools=tools, hold_model=True
+    )
+    if not release_works:
+        sim.tools.behaviour["release_env"] = failing("FAILED_PRECONDITION: the environment is locked")
+    env_service(sim.tools)
+    sim.run()
+    sim.release_model()
+    sim.run()
+    sim.control("c1", ControlAction.CANCEL)
+    sim.hold_model = False
+    sim.release_model()
+    rec = sim.run()
+    assert rec.state is S.CANCELED
+    # Then a release that cannot be discharged is handed off and queued for a person, with its obligation
+    found = escalations_of(sim, T.STUCK_CLEANUP)
+    assert bool(found) is not release_works
+    if found:
+        assert found[0].evidence["obligations"][0]["tool"] == "release_env"

@@ -23,9 +23,10 @@ from runtime.incident import DisclosureRule, HoldKind
 from runtime.ports import ModelReply
 from runtime.record import ControlAction
 from runtime.states import TrajectoryState
+from runtime.tools import SideEffect, ToolContract
 
-from .sim import HOLD, Sim, done
-from .supervised import calls, escalations_of, reply, sim_for, supervised
+from .sim import HOLD, Sim, done, env_service, provision_contracts, registry
+from .supervised import calls, contracts, escalations_of, reply, sim_for, supervised
 
 S = TrajectoryState
 NOTIFY = {"channel": "ops", "text": "deploy"}
@@ -158,6 +159,39 @@ def test_a_hold_for_an_ended_trajectory_is_audited_only() -> None:
 # --------------------------------------------------------------------------- never strand cleanup
 
 
+def _provisioned(compensated: bool = True) -> Sim:
+    """An environment provisioned (its release is registered cleanup, unless ``compensated`` is False: the
+    control, the same tool with no compensation declared); the next model call is in flight."""
+
+    def script(messages: Sequence[Mapping[str, Any]]) -> ModelReply:
+        return reply(("provision_env", {"name": "e1"})) if calls(messages) == 0 else done()
+
+    reg = contracts()
+    if not compensated:
+        forward = reg.get("provision_env")
+        bare = ToolContract(
+            name=forward.name,
+            description=forward.description,
+            arguments=forward.arguments,
+            side_effect=SideEffect.READ_ONLY,
+            repeat=forward.repeat,
+            probe=forward.probe,
+            dependency_scope=forward.dependency_scope,
+        )
+        reg = registry(bare, *[c for c in provision_contracts() if c.name != "provision_env"])
+        for name in ("apply_patch", "read_log", "search", "job_status", "delegate"):
+            reg.register(contracts().get(name))
+    tools = frozenset({"provision_env", "release_env", "run_tests"})
+    sim = sim_for(script, supervised(reg=reg), tools=tools, hold_model=True)
+    env_service(sim.tools)
+    sim.run()
+    sim.release_model()
+    sim.run()
+    assert sim.rec.operations and sim.rec.state is S.CALLING_MODEL and sim.tools.allocated
+    return sim
+
+
+@pytest.mark.parametrize("mutated", [False, True], ids=["kept", "control: cleanup needs ignored"])
 @pytest.mark.parametrize(
     ("revoke", "kept"),
     [
@@ -166,23 +200,38 @@ def test_a_hold_for_an_ended_trajectory_is_audited_only() -> None:
         (["run_tests"], {"provision_env", "release_env"}),
     ],
 )
-def test_revoking_grants_never_strands_a_registered_cleanup(revoke: list[str], kept: set[str]) -> None:
-    # Given an environment provisioned (its release is registered cleanup)
-    def script(messages: Sequence[Mapping[str, Any]]) -> ModelReply:
-        return reply(("provision_env", {"name": "e1"})) if calls(messages) == 0 else done()
+def test_revoking_grants_never_strands_a_registered_cleanup(
+    revoke: list[str], kept: set[str], mutated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if mutated:  # the mutation: containment that does not ask what registered cleanup needs
+        from runtime import _decide_supervise
 
-    tools = frozenset({"provision_env", "release_env", "run_tests"})
-    sim = sim_for(script, supervised(), tools=tools, hold_model=True)
-    sim.run()
-    sim.release_model()
-    sim.run()
-    assert sim.rec.operations and sim.rec.state is S.CALLING_MODEL
+        monkeypatch.setattr(_decide_supervise, "cleanup_tools", lambda record: frozenset())
+    sim = _provisioned()
     # When an incident's hold revokes grants
     _hold(sim, revoke=revoke)
     # Then every revoked tool is gone except what registered cleanup needs
     granted = {t for t in sim.rec.grants.tools if sim.rec.grants.allows(t)}
-    assert granted & set(revoke) == kept & set(revoke)
-    assert "release_env" in granted
+    judged = granted & set(revoke) == kept & set(revoke) and "release_env" in granted
+    assert judged is (not mutated or "release_env" not in revoke)
+
+
+@pytest.mark.parametrize("compensated", [True, False], ids=["cleanup registered", "control: none registered"])
+def test_a_held_trajectorys_cleanup_still_runs_when_it_ends(compensated: bool) -> None:
+    # Given a trajectory that provisioned an environment, held by an incident that revoked provisioning
+    sim = _provisioned(compensated)
+    _hold(sim, revoke=["provision_env", "release_env"])
+    sim.hold_model = False
+    sim.release_model()
+    sim.run(until=sim.clock.wall() + 1)
+    assert sim.rec.state is S.PAUSED and sim.rec.hold is not None
+    # When the operator ends it
+    sim.control("c1", ControlAction.CANCEL, reason="contained: end it")
+    rec = sim.run()
+    # Then (the judge: the environment service's own record) FINALIZING released it although the trajectory
+    # was held and the model-directed grants were revoked: cleanup is not model-directed work
+    assert rec.state is S.CANCELED
+    assert (not sim.tools.allocated) is compensated
 
 
 # --------------------------------------------------------------------------- disclosure rules
