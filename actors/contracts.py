@@ -409,7 +409,10 @@ def testbed_contracts() -> list[ToolContract]:
             side_effect=SideEffect.REVERSIBLE,
             repeat=RepeatContract.IDEMPOTENT,  # content-addressed: writing the same note again is harmless
             dependency_scope="notes",
-            compensation=Compensation("delete_note", from_result={"note_id": "note_id"}),
+            # deleted only when the service's reply says so (the postcondition is the evidence)
+            compensation=Compensation(
+                "delete_note", from_result={"note_id": "note_id"}, postcondition={"deleted": True}
+            ),
             target_keys=("title",),
         ),
         ToolContract(

@@ -8,6 +8,9 @@ the quarantine. A hit is a local refusal (``ArtifactQuarantined``, a ``PolicyRef
 the operation is known absent, and the model is told which artifact and which incident.
 
 Fail-safe default (Saltzer and Schroeder): when the quarantine cannot be consulted, the call is refused too.
+
+Registered cleanup is not refused (§12.8.3): releasing an environment an incident quarantined is exactly the
+residual settlement containment wants, run under the cleanup grant, not by the model's choice.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from runtime._decide_cleanup import is_cleanup
 from runtime.errors import PolicyRefusal
 from runtime.ports import ProbeResult, ToolInvocation, ToolOutcome, ToolPort
 
@@ -55,6 +59,8 @@ class QuarantineGate:
         self._lookup = lookup
 
     async def invoke(self, invocation: ToolInvocation) -> ToolOutcome:
+        if is_cleanup(invocation.call_id):
+            return await self._inner.invoke(invocation)  # registered cleanup settles residuals; never held
         values = [v for v in argument_strings(invocation.arguments) if len(v) <= 200]
         try:
             hits = await self._lookup.quarantined(values) if values else {}

@@ -76,6 +76,22 @@ async def test_a_quarantined_artifact_is_refused_at_the_dispatch_boundary(
         assert tools.sent == ["c1"]
 
 
+async def test_registered_cleanup_of_a_quarantined_resource_is_not_refused() -> None:
+    # Given an environment an incident quarantined, released by its trajectory's registered cleanup
+    tools = Tools()
+    gate = QuarantineGate(tools, Quarantine({"env-1": "inc-1"}))
+    cleanup = ToolInvocation(
+        "t1", "cleanup:obl-op-1", "release_env", {"env_id": "env-1"}, "ek", "cop", "cop#a1", 9e9
+    )
+    # Then it goes through (residual settlement), while the same id as a model-directed call does not
+    await gate.invoke(cleanup)
+    with pytest.raises(ArtifactQuarantined):
+        await gate.invoke(
+            ToolInvocation("t2", "c2", "release_env", {"env_id": "env-1"}, "ek2", "o", "o#1", 9e9)
+        )
+    assert tools.sent == ["cleanup:obl-op-1"]
+
+
 async def test_the_gate_fails_closed_when_the_quarantine_cannot_be_read() -> None:
     tools = Tools()
     with pytest.raises(ArtifactQuarantined) as info:
