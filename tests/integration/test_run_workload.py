@@ -107,7 +107,16 @@ async def test_small_workload_ends_in_expected_states_with_the_specified_report(
     assert not result.unexpected and by_name["budget"].binding_dimension == "turns"
     # And the report has exactly the specified keys; the provider saw one request per turn, no 429
     report = json.loads(json.dumps(result.report()))
-    assert set(report) == {"summary", "trajectories", "provider", "supervision"}
+    # (issue 11 adds the ledger, handoff packets and operator actions; issue 12 the supervision section)
+    assert set(report) == {
+        "summary",
+        "trajectories",
+        "provider",
+        "ledger",
+        "handoff",
+        "operator_actions",
+        "supervision",
+    }
     assert set(report["summary"]) == {
         "states",
         "exit_reasons",
