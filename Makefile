@@ -5,9 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: constraints setup demo test test-unit test-integration lint typecheck fmt bench clean redis-check proto
+.PHONY: constraints setup demo test test-unit test-integration test-stress chaos lint typecheck fmt bench clean \
+	redis-check bwrap-check proto
 
-setup: $(STAMP) redis-check
+setup: $(STAMP) redis-check bwrap-check
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -29,6 +30,18 @@ redis-check:
 	else \
 		echo "redis-server is required. Install it with: sudo apt-get install redis-server (or brew install redis)"; \
 		exit 1; \
+	fi
+
+# Sandboxed commands run under bubblewrap (own PID and network namespace, read-only root): installed like
+# redis-server when missing; without it (and without unshare) the sandbox falls back to a process group.
+bwrap-check:
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "bwrap not found: installing bubblewrap with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	else \
+		echo "warning: bwrap (bubblewrap) is not installed; sandboxes fall back to unshare or a process group." \
+			"Install it with: sudo apt-get install bubblewrap"; \
 	fi
 
 demo: setup
