@@ -72,6 +72,7 @@ class _TestbedHooks(ServerHooks):
             operation_id=call.operation_id,
             trajectory_id=call.trajectory_id,
             prior="new" if prior is None else prior.value,
+            deadline=call.deadline_epoch_s,
         )
 
     def disposed(self, token: object, disposition: Disposition, reply: str) -> None:

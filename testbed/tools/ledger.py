@@ -67,6 +67,8 @@ class DeliveryRecord(BaseModel):
     prior: str  # new | in_flight | applied | absent | unknown: the key's state on arrival
     disposition: str = "pending"  # pending | late | fenced | applied | deduplicated | refused | unknown
     reply: str = "pending"  # pending | answered | dropped | abandoned | error:<STATUS>
+    deadline: float = 0.0  # the absolute deadline the request carried (0: none)
+    disposed_at: float | None = None  # when the service was done with it (None: still pending)
 
     @property
     def repeats_an_effect(self) -> bool:
@@ -192,6 +194,8 @@ class LedgerSnapshot(BaseModel):
                     prior=d.prior,
                     disposition=d.disposition,
                     reply=d.reply,
+                    deadline=d.deadline,
+                    disposed_at=d.disposed_at or None,
                 )
                 for d in reply.deliveries
             ),
@@ -234,6 +238,7 @@ class Ledger:
         operation_id: str,
         trajectory_id: str,
         prior: str,
+        deadline: float = 0.0,
     ) -> int:
         """Record one physical delivery; returns its sequence number (for ``disposed``)."""
         with self._lock:
@@ -249,6 +254,7 @@ class Ledger:
                     trajectory_id=trajectory_id,
                     arrived_at=self._clock.wall(),
                     prior=prior,
+                    deadline=deadline,
                 )
             )
             return seq
@@ -257,7 +263,7 @@ class Ledger:
         """What became of delivery ``seq``."""
         with self._lock:
             self._deliveries[seq] = self._deliveries[seq].model_copy(
-                update={"disposition": disposition, "reply": reply}
+                update={"disposition": disposition, "reply": reply, "disposed_at": self._clock.wall()}
             )
 
     def record_effect(self, tool: str, effect_key: str) -> None:
@@ -383,6 +389,8 @@ class Ledger:
                     prior=d.prior,
                     disposition=d.disposition,
                     reply=d.reply,
+                    deadline=d.deadline,
+                    disposed_at=d.disposed_at or 0.0,
                 )
                 for d in snap.deliveries
             ],

@@ -52,7 +52,7 @@ class EffectCount(_message.Message):
     def __init__(self, tool: _Optional[str] = ..., effect_key: _Optional[str] = ..., applications: _Optional[int] = ...) -> None: ...
 
 class Delivery(_message.Message):
-    __slots__ = ("seq", "tool", "effect_key", "call_id", "attempt_id", "operation_id", "trajectory_id", "arrived_at", "prior", "disposition", "reply")
+    __slots__ = ("seq", "tool", "effect_key", "call_id", "attempt_id", "operation_id", "trajectory_id", "arrived_at", "prior", "disposition", "reply", "deadline", "disposed_at")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     EFFECT_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class Delivery(_message.Message):
     PRIOR_FIELD_NUMBER: _ClassVar[int]
     DISPOSITION_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    DISPOSED_AT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     tool: str
     effect_key: str
@@ -75,7 +77,9 @@ class Delivery(_message.Message):
     prior: str
     disposition: str
     reply: str
-    def __init__(self, seq: _Optional[int] = ..., tool: _Optional[str] = ..., effect_key: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., operation_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., arrived_at: _Optional[float] = ..., prior: _Optional[str] = ..., disposition: _Optional[str] = ..., reply: _Optional[str] = ...) -> None: ...
+    deadline: float
+    disposed_at: float
+    def __init__(self, seq: _Optional[int] = ..., tool: _Optional[str] = ..., effect_key: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., operation_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., arrived_at: _Optional[float] = ..., prior: _Optional[str] = ..., disposition: _Optional[str] = ..., reply: _Optional[str] = ..., deadline: _Optional[float] = ..., disposed_at: _Optional[float] = ...) -> None: ...
 
 class LedgerReply(_message.Message):
     __slots__ = ("environments", "notifications", "effects", "billed_seconds", "test_runs", "searches", "deliveries", "effect_keys")

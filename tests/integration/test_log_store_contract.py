@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from cluster.redis_server import RedisServer, free_port
 from runtime.errors import DependencyError, InputError
 from runtime.memstore import MemoryLogStore, parse_entry_id
 from runtime.ports import LogStore
+from tests.integration.redis_proxy import ReplyEater
 
 pytestmark = pytest.mark.integration
 
@@ -297,59 +297,6 @@ async def test_requiring_replicas_that_do_not_exist_fails_the_append(redis_url: 
 # --------------------------------------------------------------------------- riding out an outage
 
 
-class ReplyEater:
-    """A TCP proxy in front of Redis that, when armed, lets the next script call through to Redis and
-    then cuts the connection before Redis's reply reaches the client: a write applied, its reply lost."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.armed = False
-        self.eaten = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> ReplyEater:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        doomed = asyncio.Event()  # this connection sent the armed script call: its next reply is eaten
-
-        async def to_redis() -> None:
-            while data := await client_r.read(65536):
-                if self.armed and b"EVALSHA" in data.upper():
-                    self.armed = False
-                    doomed.set()
-                up_w.write(data)
-                await up_w.drain()
-
-        async def to_client() -> None:
-            while data := await up_r.read(65536):
-                if doomed.is_set():
-                    self.eaten += 1
-                    return  # Redis answered; the client never hears it
-                client_w.write(data)
-                await client_w.drain()
-
-        tasks = [asyncio.ensure_future(to_redis()), asyncio.ensure_future(to_client())]
-        with contextlib.suppress(ConnectionError):
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in tasks:
-            task.cancel()
-        for writer in (client_w, up_w):
-            writer.close()
-
-
 class BlindRetryStore(RedisLogStore):
     """Control: a store whose every attempt is a new batch (a retry cannot recognise its own write)."""
 
@@ -366,7 +313,7 @@ async def test_an_append_whose_reply_was_lost_is_not_appended_twice(redis_url: s
             # Given a log with one acknowledged entry (the script is loaded on the server)
             first = await store.append("t-lost", b"intent:1")
             # When the next batch reaches Redis and its reply is lost with the connection
-            proxy.armed = True
+            proxy.arm(lambda request: b"EVALSHA" in request.upper())
             ids = await store.append_many("t-lost", [b"intent:2", b"intent:3"])
         # Then the append still answers, once Redis has been asked again ...
         assert proxy.eaten == 1
