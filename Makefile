@@ -56,6 +56,23 @@ TEST_BUDGET_S ?= 3600
 test: setup
 	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 --session-timeout=$(TEST_BUDGET_S)
 
+# The integration and fault tiers beside two busy loops (one per core of the 2-core machine the suite is sized
+# for): a shared CI machine. The loops are stopped by their pids whatever pytest does (trap on exit).
+test-stress: setup
+	@$(BIN)/python -c 'while True: pass' & b1=$$!; $(BIN)/python -c 'while True: pass' & b2=$$!; \
+	trap 'kill $$b1 $$b2 2>/dev/null; wait $$b1 $$b2 2>/dev/null; echo "busy loops $$b1 $$b2 stopped"' EXIT; \
+	echo "busy loops running: $$b1 $$b2"; \
+	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
+		--session-timeout=$(TEST_BUDGET_S) tests/integration tests/faults
+
+# The chaos suite (benchmarks/chaos.py): CHAOS_SEEDS seeded fault schedules against CHAOS_TRAJECTORIES
+# trajectories each; results in benchmarks/results/chaos.json.
+CHAOS_SEEDS ?= 20
+CHAOS_TRAJECTORIES ?= 100
+chaos: setup
+	$(BIN)/python -m benchmarks.chaos --seeds $(CHAOS_SEEDS) --trajectories $(CHAOS_TRAJECTORIES) \
+		--out benchmarks/results/chaos.json
+
 test-unit: setup
 	$(BIN)/pytest -q tests/unit
 

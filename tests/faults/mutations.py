@@ -3,9 +3,9 @@
 A fault test through the product runs real trajectory actors on Ray. Its control runs the same trajectory
 with one protection of the runtime removed, by a *mutation* applied inside the actor's own worker process:
 ``MutatedAdapters`` is the cluster layer's port object (``actors.ports.ClusterPorts``) that every trajectory
-actor receives in its constructor; its ``open_log`` runs in the worker while the actor builds its ports,
-applies the named mutation there (once per process: a restarted worker applies it again), and may wrap
-the log store. Nothing in the product knows about it.
+actor receives in its constructor. When the worker unpickles it (before the actor is constructed, and again
+in a restarted worker) it applies the named patch in that process, once; its ``open_log`` may wrap the log
+store. Nothing in the product knows about it.
 
 Each mutation names the rule it removes. The rewrite of the trajectory core (issue 10) keeps the actor's
 constructor and ``open_log``; a mutation that patches a name inside the core (``no-budget-halt``) has to
@@ -31,7 +31,7 @@ from cluster.adapters import ClusterAdapters
 __all__ = ["MUTATIONS", "MutatedAdapters"]
 
 # The workers cannot import ``tests``: this module travels with the pickled adapters instead.
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 
 class ForgetfulLog:
@@ -124,9 +124,8 @@ def _blind_retry() -> None:
 
 def _trusting_parser() -> None:
     """The tool client takes a reply it cannot parse as the result itself (no schema check on replies)."""
-    from actors.tools_grpc import client
-
-    client.parse_json = lambda text, *, where: text  # type: ignore[assignment]
+    client: Any = importlib.import_module("actors.tools_grpc.client")
+    client.parse_json = lambda text, *, where: text
 
 
 def _no_deadline_on_the_wire() -> None:
@@ -142,9 +141,23 @@ def _no_deadline_on_the_wire() -> None:
     GrpcToolPort.invoke = invoke  # type: ignore[method-assign]
 
 
+def _one_scope() -> None:
+    """Every testbed tool in one dependency scope: one breaker and one bulkhead guard them all, so a
+    degraded dependency takes the healthy ones down with it."""
+    contracts: Any = importlib.import_module("actors.contracts")
+    wiring: Any = importlib.import_module("actors.wiring")
+    original = contracts.testbed_contracts
+
+    def shared() -> list[Any]:
+        return [dataclasses.replace(c, dependency_scope="testbed") for c in original()]
+
+    contracts.testbed_contracts = shared
+    wiring.testbed_contracts = shared
+
+
 def _no_budget_halt() -> None:
     """Budget assessment always answers "nominal": the steer/restrict/halt ladder never acts."""
-    harness = importlib.import_module("runtime.harness")
+    harness: Any = importlib.import_module("runtime.harness")
     from runtime.budget import BudgetAssessment, BudgetStage
 
     original = harness.assess
@@ -169,17 +182,27 @@ MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | Non
     "trusting-parser": (_trusting_parser, None),
     "no-deadline-on-the-wire": (_no_deadline_on_the_wire, None),
     "no-budget-halt": (_no_budget_halt, None),
+    "one-scope": (_one_scope, None),
 }
 
 
 def _applied() -> set[str]:
     """The mutations applied in this process (kept outside this module: it arrives pickled by value, once
     per object that refers to it, and would forget)."""
-    holder = sys.modules.setdefault("tether_test_mutations", types.ModuleType("tether_test_mutations"))
+    holder: Any = sys.modules.setdefault("tether_test_mutations", types.ModuleType("tether_test_mutations"))
     if not hasattr(holder, "applied"):
-        holder.applied = set()  # type: ignore[attr-defined]
-    applied: set[str] = holder.applied  # type: ignore[attr-defined]
+        holder.applied = set()
+    applied: set[str] = holder.applied
     return applied
+
+
+def _mutated(mutation: str) -> MutatedAdapters:
+    """Unpickling ``MutatedAdapters`` (in the actor's worker): apply the patch, once per process."""
+    patch, _ = MUTATIONS[mutation]
+    if patch is not None and mutation not in _applied():
+        patch()
+        _applied().add(mutation)
+    return MutatedAdapters(mutation=mutation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,10 +211,14 @@ class MutatedAdapters(ClusterAdapters):
 
     mutation: str = ""
 
+    def __post_init__(self) -> None:
+        if self.mutation not in MUTATIONS:
+            raise ValueError(f"unknown mutation {self.mutation!r}; known: {sorted(MUTATIONS)}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_mutated, (self.mutation,))
+
     def open_log(self, redis_url: str) -> Any:
-        patch, wrap = MUTATIONS[self.mutation]
-        if patch is not None and self.mutation not in _applied():
-            patch()
-            _applied().add(self.mutation)
+        _, wrap = MUTATIONS[self.mutation]
         store = ClusterAdapters.open_log(self, redis_url)
         return wrap(store) if wrap is not None else store
