@@ -353,6 +353,13 @@ def run_seed(seed: int, head: RayHead, config: ChaosConfig, trajectories: int, w
     tail = (seed_dir / "tether-run.log").read_text(errors="replace")[-1500:]
     result.tether_run_exit = exit_code
     result.report_written = report.exists()
+    if result.lost:
+        # what `tether run` said about the trajectories that did not end (it prints one line per failure)
+        lines = (seed_dir / "tether-run.log").read_text(errors="replace").splitlines()
+        said = Counter(
+            line.split(":", 1)[1].strip()[:200] for line in lines if ": " in line and "." in line[:40]
+        )
+        result.notes += [f"tether run said, {n}x: {what}" for what, n in said.most_common(5)]
     result.duration_s = round(time.monotonic() - started, 1)
     if not result.report_written:
         result.notes.append(f"tether run wrote no report (exit {exit_code}); its last output: {tail}")
@@ -503,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trajectories", type=int, default=100)
     parser.add_argument("--window-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chaos.json"))
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep each seed's logs here")
     args = parser.parse_args(argv)
-    config = ChaosConfig(trajectories=args.trajectories, window_s=args.window_s)
+    config = ChaosConfig(trajectories=args.trajectories, window_s=args.window_s, work_dir=args.work_dir)
 
     def progress(row: SeedResult) -> None:
         print(
