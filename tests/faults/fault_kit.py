@@ -44,6 +44,7 @@ __all__ = [
     "launch",
     "results",
     "unique",
+    "until_delivered",
     "until_logged",
 ]
 
@@ -110,6 +111,17 @@ async def until_logged(
             return events
         await asyncio.sleep(0.02)
     raise AssertionError(f"{trajectory_id}: the awaited entry never appeared within {timeout_s}s")
+
+
+async def until_delivered(testbed: Testbed, effect_key: str, timeout_s: float = 60.0) -> None:
+    """Poll the testbed until a request carrying ``effect_key`` has reached it (the call is then in flight
+    at the endpoint, not merely announced): used to time a fault, never to judge."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (await book(testbed)).deliveries_for(effect_key):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no request for {effect_key} reached the testbed within {timeout_s}s")
 
 
 def dispatched(events: Iterable[Event], tool: str | None = None) -> list[ToolDispatchIntent]:

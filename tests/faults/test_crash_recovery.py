@@ -34,7 +34,7 @@ from runtime.fold import fold
 from runtime.record import TrajectoryRecord
 from testbed.provider import ProviderConfig, ProviderThread, start_provider_thread
 from testbed.tools import Testbed, TestbedClient, start_testbed
-from tests.faults.fault_kit import unique
+from tests.faults.fault_kit import unique, until_delivered
 from tests.faults.mutations import MutatedAdapters
 from tests.integration.trajectory_kit import MODEL, events_of, make_launch, record_of, start
 
@@ -97,6 +97,10 @@ async def _launch_and_kill(
     pid = await handle.pid.remote()  # asked first: nothing but the log poll stands between seeing and killing
     running = handle.run.remote()
     at_kill = await _until_in_flight(redis_url, name, kill_in, nth=min_turns)
+    if kill_in == "WAITING_TOOL":
+        # in flight at the endpoint, not merely announced: the kill must land while the effect runs
+        [intent] = [e for e in at_kill if isinstance(e, Intent)][-1:]
+        await until_delivered(bed, intent.effect_key)
     os.kill(pid, signal.SIGKILL)
     summary = await running  # Ray retries run() on the restarted actor
     assert await handle.pid.remote() != pid  # a new worker process carried on

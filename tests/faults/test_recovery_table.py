@@ -50,6 +50,7 @@ from tests.faults.fault_kit import (
     launch,
     results,
     unique,
+    until_delivered,
     until_logged,
 )
 from tests.integration.trajectory_kit import MODEL, events_of
@@ -257,7 +258,8 @@ async def test_worker_and_local_volume_lost_with_provisioning_unresolved_keep_th
     pid = await handle.pid.remote()
     running = asyncio.ensure_future(_run(handle))
     at_kill = await until_logged(redis_url, tid, in_tool_call("provision_env"))
-    # When the worker dies (SIGKILL) and its local volume with it
+    await until_delivered(slow_testbed, dispatched(at_kill, "provision_env")[0].effect_key)
+    # When the worker dies (SIGKILL) while the endpoint works on the provisioning, and its local volume too
     os.kill(pid, signal.SIGKILL)
     shutil.rmtree(volume, ignore_errors=True)
     summary = await asyncio.wait_for(running, 180)  # Ray restarts the actor and retries run()
@@ -266,7 +268,7 @@ async def test_worker_and_local_volume_lost_with_provisioning_unresolved_keep_th
     [intent] = dispatched(at_kill, "provision_env")
     if mutation is not None:
         # (control) a runtime without its log starts over: the provisioning is delivered again
-        assert ledger.duplicate_deliveries() != []
+        assert ledger.duplicate_deliveries() != [], (summary, [type(e).__name__ for e in events])
         return
     # Then the reconstruction kept the operation, its cleanup template and its liability, owned ...
     record = await _fold(redis_url, tid)
