@@ -38,6 +38,8 @@ from tests.faults.fault_kit import unique, until_delivered
 from tests.faults.mutations import MutatedAdapters
 from tests.integration.trajectory_kit import MODEL, events_of, make_launch, record_of, start
 
+# 480 s: each test waits for a real actor restart (a new worker process) and a slow provider (1.7 s per call)
+# on a shared 2-core machine; the bound only turns a hang into a failure.
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(480)]
 
 CEILINGS = {"turns": 12, "tokens": 20_000, "wall_seconds": 300, "dollars": 0.25}

@@ -48,6 +48,8 @@ from testbed.tools import FaultMode, FaultPlan, LedgerSnapshot, TestbedClient
 from tests.faults.mutations import MutatedAdapters
 from tests.integration.trajectory_kit import events_of
 
+# 600 s: each test runs `tether run`'s services and two workloads of several trajectories through a breaker
+# that must trip; the module-scoped lost-reply run shares its budget with the tests that read it.
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TEST_RUNNER = "test-runner"

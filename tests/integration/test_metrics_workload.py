@@ -24,6 +24,8 @@ from cluster.observe import start_driver_metrics
 from cluster.runner import RunOptions, RunResult, Services, run_driver
 from cluster.workload import parse_workload
 
+# 600 s: a whole workload through the driver, then Ray's metrics agent is polled (up to 90 s) until every
+# expected series has been exported.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN_ID = "mtest"
