@@ -1,9 +1,12 @@
 """Fault knobs for the testbed tool services, applied through the server framework's hooks.
 
 One ``FaultPlan`` per service, set at start (``--faults``) or at run time (``FaultControl.SetFaults``).
-Each mode changes behaviour as documented on ``FaultMode``; ``honour_effect_keys=False`` makes the
-service apply every attempt even when its effect key was seen (the knob that proves a duplicate
-effect *would* appear without deduplication).
+Each mode changes behaviour as documented on ``FaultMode``.
+
+Effect keys: by default the testbed applies every delivery, seen key or not (``EffectKeys.IGNORE``), so
+a runtime that re-dispatches leaves a visible second effect. A test that needs a service which honours
+effect keys (deduplicates a repeat) names it: ``EffectKeys.HONOUR`` for the whole testbed, or
+``FaultPlan(honour_effect_keys=True)`` for one service.
 """
 
 from __future__ import annotations
@@ -22,9 +25,16 @@ from actors.tools_grpc.errors import ToolError
 from actors.tools_grpc.server import ServerHooks, ToolContext
 from runtime.errors import InputError
 
-__all__ = ["MALFORMED_PAYLOAD", "FaultInjector", "FaultMode", "FaultPlan"]
+__all__ = ["MALFORMED_PAYLOAD", "EffectKeys", "FaultInjector", "FaultMode", "FaultPlan"]
 
 MALFORMED_PAYLOAD = '{"env_id": "env-'  # truncated JSON: the effect happened, the reply is unreadable
+
+
+class EffectKeys(StrEnum):
+    """What the testbed services do with a delivery whose effect key they have seen before."""
+
+    IGNORE = "ignore"  # apply it again (the default: a duplicate delivery becomes a duplicate effect)
+    HONOUR = "honour"  # answer from the first delivery (a named mode for tests of that contract)
 
 
 class FaultMode(StrEnum):
@@ -49,7 +59,7 @@ class FaultPlan(BaseModel):
     delay_s: float = Field(default=0.0, ge=0.0, le=600.0)
     hang_s: float = Field(default=0.5, ge=0.0, le=600.0)
     retry_after_s: float | None = Field(default=None, ge=0.0)
-    honour_effect_keys: bool = True
+    honour_effect_keys: bool | None = None  # None: the testbed's ``EffectKeys`` mode
     tools: frozenset[str] = frozenset()
     count: int | None = Field(default=None, ge=1)
 
@@ -122,9 +132,9 @@ class FaultInjector(ServerHooks):
 
     # ------------------------------------------------------------------ hooks
 
-    def honour_effect_keys(self, call: ToolCall) -> bool:
+    def honour_effect_keys(self, call: ToolCall) -> bool | None:
         service = self._service_of.get(call.tool)
-        return service is None or self.plan(service).honour_effect_keys
+        return None if service is None else self.plan(service).honour_effect_keys
 
     def deliveries(self, call: ToolCall) -> int:
         return 2 if self._active(call, FaultMode.DUPLICATE) else 1

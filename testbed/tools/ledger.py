@@ -3,6 +3,17 @@
 This is the ground truth fault tests judge by (recovery chapter, fault-test plan: duplicate external
 effects, orphaned resources, billed charges), kept by the simulated dependency itself and never by
 the runtime under test. It is read over gRPC (``LedgerService.Query``) as a ``LedgerSnapshot``.
+
+Two records, kept apart:
+
+- **deliveries**: every physical arrival of an Invoke (tool, effect key, call id, attempt id, arrival
+  time), with the key's state when it arrived and what the service then did with it. This is what the
+  runtime *sent*, whatever the service made of it.
+- **effects**: what the services really *applied* (environments, notifications, effect counts).
+
+A runtime that re-dispatches a call it has no right to repeat shows up in the deliveries even when a
+service honours effect keys and applies nothing twice: ``duplicate_deliveries()`` is the judge of "no
+duplicate", and it cannot be hidden by deduplication on the service's side.
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
@@ -18,6 +30,8 @@ from runtime.clock import Clock, SystemClock
 from testbed.tools import testbed_tools_pb2 as tpb
 
 __all__ = [
+    "NOT_REPEATABLE",
+    "DeliveryRecord",
     "EffectCount",
     "EnvironmentRecord",
     "Ledger",
@@ -26,6 +40,42 @@ __all__ = [
     "NoteRecord",
     "NotificationRecord",
 ]
+
+# Tools whose repeat is a second effect: each provisioning allocates (and bills) a new environment, each
+# notification is sent again. ``release_env`` is idempotent by nature (releasing twice changes nothing)
+# and ``run_tests``/``search_packages`` are read-only: repeating those is no defect.
+NOT_REPEATABLE: frozenset[str] = frozenset({"provision_env", "send_notification"})
+
+# A delivery that reaches the tool while its key is already applied, still being applied, or left
+# half-done is a repeat of an effect nobody established absent: a duplicate delivery.
+_REPEAT_PRIORS = frozenset({"in_flight", "applied", "unknown"})
+# ...unless the service refused it before looking at the key (past its deadline, or fenced by a probe).
+_REFUSED_ON_ARRIVAL = frozenset({"late", "fenced"})
+
+
+class DeliveryRecord(BaseModel):
+    """One physical arrival of an Invoke, and what the service did with it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seq: int
+    tool: str
+    effect_key: str
+    call_id: str
+    attempt_id: str
+    operation_id: str
+    trajectory_id: str
+    arrived_at: float
+    prior: str  # new | in_flight | applied | absent | unknown: the key's state on arrival
+    disposition: str = "pending"  # pending | late | fenced | applied | deduplicated | refused | unknown
+    reply: str = "pending"  # pending | answered | dropped | abandoned | error:<STATUS>
+    deadline: float = 0.0  # the absolute deadline the request carried (0: none)
+    disposed_at: float | None = None  # when the service was done with it (None: still pending)
+
+    @property
+    def repeats_an_effect(self) -> bool:
+        """Whether this delivery asked again for an effect that had happened (or might have)."""
+        return self.prior in _REPEAT_PRIORS and self.disposition not in _REFUSED_ON_ARRIVAL
 
 
 class EnvironmentRecord(BaseModel):
@@ -105,9 +155,23 @@ class LedgerSnapshot(BaseModel):
         """Every read of ``note_id`` that reached the service."""
         return [r for r in self.note_reads if r.note_id == note_id]
 
+    deliveries: tuple[DeliveryRecord, ...] = ()
+    effect_keys: str = "ignore"  # the services' mode: "ignore" applies every delivery, "honour" dedupes
+
     def duplicate_effects(self) -> list[EffectCount]:
         """Effect keys applied more than once."""
         return [e for e in self.effects if e.applications > 1]
+
+    def duplicate_deliveries(self, tools: Iterable[str] = NOT_REPEATABLE) -> list[DeliveryRecord]:
+        """Deliveries of a non-repeatable tool that asked again for an effect already applied, still in
+        flight or left unknown: a re-dispatch the settlement rules forbid, whatever the service applied.
+        A repeat after the service refused the key (established absent) is a legitimate retry."""
+        wanted = frozenset(tools)
+        return [d for d in self.deliveries if d.tool in wanted and d.repeats_an_effect]
+
+    def deliveries_for(self, effect_key: str) -> list[DeliveryRecord]:
+        """Every delivery that carried ``effect_key``, in arrival order."""
+        return [d for d in self.deliveries if d.effect_key == effect_key]
 
     def orphaned_environments(self) -> list[EnvironmentRecord]:
         """Environments still allocated (nobody released them)."""
@@ -162,6 +226,25 @@ class LedgerSnapshot(BaseModel):
                 NoteRead(note_id=r.note_id, effect_key=r.effect_key, read_at=r.read_at)
                 for r in reply.note_reads
             ),
+            deliveries=tuple(
+                DeliveryRecord(
+                    seq=d.seq,
+                    tool=d.tool,
+                    effect_key=d.effect_key,
+                    call_id=d.call_id,
+                    attempt_id=d.attempt_id,
+                    operation_id=d.operation_id,
+                    trajectory_id=d.trajectory_id,
+                    arrived_at=d.arrived_at,
+                    prior=d.prior,
+                    disposition=d.disposition,
+                    reply=d.reply,
+                    deadline=d.deadline,
+                    disposed_at=d.disposed_at or None,
+                )
+                for d in reply.deliveries
+            ),
+            effect_keys=reply.effect_keys or "ignore",
         )
 
 
@@ -175,11 +258,14 @@ class _Env:
 
 
 class Ledger:
-    """Thread-safe (sync tools run in worker threads) record of every effect the testbed applied."""
+    """Thread-safe (sync tools run in worker threads) record of every delivery the testbed received
+    and every effect it applied."""
 
-    def __init__(self, clock: Clock | None = None) -> None:
+    def __init__(self, clock: Clock | None = None, *, effect_keys: str = "ignore") -> None:
         self._clock: Clock = clock or SystemClock()
         self._lock = threading.Lock()
+        self.effect_keys = effect_keys
+        self._deliveries: list[DeliveryRecord] = []
         self._envs: dict[str, _Env] = {}
         self._notifications: list[NotificationRecord] = []
         self._effects: Counter[tuple[str, str]] = Counter()
@@ -188,6 +274,44 @@ class Ledger:
         self._ids = itertools.count(1)
         self.test_runs = 0
         self.searches = 0
+
+    def arrived(
+        self,
+        *,
+        tool: str,
+        effect_key: str,
+        call_id: str,
+        attempt_id: str,
+        operation_id: str,
+        trajectory_id: str,
+        prior: str,
+        deadline: float = 0.0,
+    ) -> int:
+        """Record one physical delivery; returns its sequence number (for ``disposed``)."""
+        with self._lock:
+            seq = len(self._deliveries)
+            self._deliveries.append(
+                DeliveryRecord(
+                    seq=seq,
+                    tool=tool,
+                    effect_key=effect_key,
+                    call_id=call_id,
+                    attempt_id=attempt_id,
+                    operation_id=operation_id,
+                    trajectory_id=trajectory_id,
+                    arrived_at=self._clock.wall(),
+                    prior=prior,
+                    deadline=deadline,
+                )
+            )
+            return seq
+
+    def disposed(self, seq: int, disposition: str, reply: str) -> None:
+        """What became of delivery ``seq``."""
+        with self._lock:
+            self._deliveries[seq] = self._deliveries[seq].model_copy(
+                update={"disposition": disposition, "reply": reply, "disposed_at": self._clock.wall()}
+            )
 
     def record_effect(self, tool: str, effect_key: str) -> None:
         """Count one real application of ``effect_key`` by ``tool``."""
@@ -301,6 +425,8 @@ class Ledger:
                 searches=self.searches,
                 notes=tuple(record for record, _ in self._notes.values()),
                 note_reads=tuple(self._note_reads),
+                deliveries=tuple(self._deliveries),
+                effect_keys=self.effect_keys,
             )
 
     def to_proto(self) -> tpb.LedgerReply:
@@ -348,4 +474,23 @@ class Ledger:
                 tpb.NoteRead(note_id=r.note_id, effect_key=r.effect_key, read_at=r.read_at)
                 for r in snap.note_reads
             ],
+            deliveries=[
+                tpb.Delivery(
+                    seq=d.seq,
+                    tool=d.tool,
+                    effect_key=d.effect_key,
+                    call_id=d.call_id,
+                    attempt_id=d.attempt_id,
+                    operation_id=d.operation_id,
+                    trajectory_id=d.trajectory_id,
+                    arrived_at=d.arrived_at,
+                    prior=d.prior,
+                    disposition=d.disposition,
+                    reply=d.reply,
+                    deadline=d.deadline,
+                    disposed_at=d.disposed_at or 0.0,
+                )
+                for d in snap.deliveries
+            ],
+            effect_keys=snap.effect_keys,
         )
