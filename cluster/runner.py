@@ -352,7 +352,10 @@ class Services:
         if any(t.source == ToolSource.TESTBED for t in wl.tools):
             from testbed.tools.faults import FaultPlan
 
-            faults = {name: FaultPlan.model_validate(plan) for name, plan in wl.testbed_faults.items()}
+            faults = {
+                name: [FaultPlan.model_validate(p) for p in (plan if isinstance(plan, list) else [plan])]
+                for name, plan in wl.testbed_faults.items()
+            }
             testbed = TestbedProcess(free_port(), faults=faults).start()
             self._stack.callback(testbed.stop)
             self.testbed_address = testbed.address

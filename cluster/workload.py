@@ -384,20 +384,27 @@ class Workload(_Strict):
     # ladder and delegation template (actors.supervision_config), for every trajectory of the workload
     supervision: SupervisionSpec | None = None
     breaker: BreakerSpec | None = None
-    # Faults the testbed's services start with (testbed.tools.faults.FaultPlan per service): a dependency
-    # outage the example runs into, by hand as in its test.
-    testbed_faults: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # Faults the testbed's services start with (testbed.tools.faults.FaultPlan, or a list of them, per
+    # service; the first matching rule applies): a dependency outage the example runs into, by hand as in
+    # its test.
+    testbed_faults: dict[str, dict[str, Any] | list[dict[str, Any]]] = Field(default_factory=dict)
 
     @field_validator("testbed_faults")
     @classmethod
-    def _fault_plans(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def _fault_plans(
+        cls, v: dict[str, dict[str, Any] | list[dict[str, Any]]]
+    ) -> dict[str, dict[str, Any] | list[dict[str, Any]]]:
         from testbed.tools.faults import FaultPlan
         from testbed.tools.services import SERVICES
 
-        for service, plan in v.items():
+        for service, given in v.items():
             if service not in SERVICES:
                 raise ValueError(f"testbed_faults: unknown service {service!r}; known: {', '.join(SERVICES)}")
-            FaultPlan.model_validate(plan)
+            for i, plan in enumerate(given if isinstance(given, list) else [given]):
+                try:
+                    FaultPlan.model_validate(plan)
+                except ValueError as e:
+                    raise ValueError(f"testbed_faults.{service}[{i}]: {e}") from e
         return v
 
     @property
