@@ -33,6 +33,7 @@ __all__ = [
     "RelayClaim",
     "RelayDelivery",
     "RelayStream",
+    "SupervisionStore",
     "TimerStore",
     "VerifiedControl",
 ]
@@ -70,6 +71,7 @@ class VerifiedControl:
     envelope: ControlEnvelope
     signers: tuple[str, ...]
     roles: frozenset[str]
+    signer_roles: Mapping[str, frozenset[str]] = field(default_factory=dict)  # each signer's own roles
 
 
 class ControlVerifier(Protocol):
@@ -242,6 +244,24 @@ class AuditSink(Protocol):
     async def close(self) -> None: ...
 
 
+# --------------------------------------------------------------------------- supervision (issue 12)
+
+
+class SupervisionStore(Protocol):
+    """The cross-trajectory views supervision writes and the dispatch boundary reads: the escalation
+    registry, the incident store and the quarantine (``cluster.supervision_store``)."""
+
+    async def publish_escalation(self, escalation: Mapping[str, Any]) -> None: ...
+
+    async def open_incident(self, incident: Mapping[str, Any], artifacts: Sequence[str]) -> None: ...
+
+    async def quarantined(self, values: Sequence[str]) -> dict[str, str]:
+        """The ``values`` that are quarantined artifacts, each with the incident that holds it."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 # --------------------------------------------------------------------------- the composition root
 
 
@@ -271,4 +291,8 @@ class ClusterPorts(Protocol):
 
     def timer_store(self, redis_url: str) -> TimerStore:
         """The durable timer store (``tether:timers``)."""
+        ...
+
+    def supervision_store(self, redis_url: str) -> SupervisionStore:
+        """Escalations, incidents and the quarantine (issue 12)."""
         ...
