@@ -10,7 +10,8 @@ case the same way for the relays (``deliver``) and the timer service (``fire_tim
 - a live actor is called;
 - a dead one is killed by handle (which frees its name whoever pins it) and replaced;
 - a missing one is re-created from its stored launch (``actors.launch``), unless it never existed
-  (``UNKNOWN``) or its status shows it ended (``TERMINAL``): an ended trajectory never costs a process;
+  (``UNKNOWN``) or its status shows it ended (``TERMINAL``): an ended trajectory costs no process, except
+  for what applies in any state (an operator's settle or handoff of what it still owes: ``wake_ended``);
 - waking is admission-controlled: the re-created actor asks Ray for a ``tether_trajectory`` slot and waits
   for one (the autoscaler sees that demand); where the cluster declares no such slots, a ``WakeGate``
   admits at most a memory-derived number of woken trajectories per process, first come first served.
@@ -198,8 +199,12 @@ class Incarnations:
         self.running: dict[str, asyncio.Task[None]] = {}  # woken here, run() not over yet (holds the handle)
         self._unplaced: set[str] = set()  # last call timed out: wait for placement before calling again
 
-    async def call(self, trajectory_id: str, method: str, *args: Any, wake: bool = True) -> Reached:
-        """Call ``method(*args)`` on a live incarnation of the trajectory, waking one if ``wake``.
+    async def call(
+        self, trajectory_id: str, method: str, *args: Any, wake: bool = True, wake_ended: bool = False
+    ) -> Reached:
+        """Call ``method(*args)`` on a live incarnation of the trajectory, waking one if ``wake``. An ended
+        trajectory is woken only with ``wake_ended`` (an operator's settle or handoff, which applies in any
+        state: ``runtime.record.ANY_STATE_ACTIONS``); otherwise it answers ``TERMINAL``.
 
         Raises ``TargetGone`` when it could not be reached this time (the caller retries later).
         """
@@ -214,7 +219,7 @@ class Incarnations:
                 info = await self.load(trajectory_id)
                 if info is None:
                     return Reached(Reach.UNKNOWN)
-                if info.terminal:
+                if info.terminal and not wake_ended:
                     return Reached(Reach.TERMINAL)
                 handle = await self._wake(info)
                 woke = True

@@ -8,7 +8,9 @@ this module is what it delivers through and the Ray shell around it:
   message to a hibernated trajectory used to cost a process). It is still handed to a *live* incarnation,
   the authority, which audits the refusal in the trajectory's own log; otherwise the relay refuses it
   itself. A verified message is delivered to a live incarnation, waking or replacing the actor as needed
-  (``actors.incarnation``), unless the trajectory ended (``terminal``) or never existed (``unknown``).
+  (``actors.incarnation``), unless the trajectory ended (``terminal``) or never existed (``unknown``). An
+  operator's settle or handoff (``runtime.record.ANY_STATE_ACTIONS``) applies in any state, so it is
+  delivered to an ended trajectory too (woken from its log; the decider records it or says why not).
 - ``RelayActor`` is the async Ray actor ``relay:<n>`` (``num_cpus=0``); ``start_relays`` / ``stop_relays``
   the helpers the runner, tests and benchmarks call. The Redis transport and the audit sink come from the
   injected ``actors.ports.ClusterPorts`` (``cluster.adapters``): ``actors/`` never imports ``cluster``.
@@ -45,6 +47,7 @@ from actors.relay_loop import (
 )
 from runtime.clock import Clock, SystemClock
 from runtime.errors import CodecError, ControlError
+from runtime.record import ANY_STATE_ACTIONS
 
 __all__ = [
     "AUDIT_STREAM",
@@ -72,12 +75,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+_ANY_STATE = frozenset(a.value for a in ANY_STATE_ACTIONS)
+
+
 def _never_seen(_message_id: str, _nonce: str) -> bool:
     return False  # replay is the trajectory's to judge: only its record knows what it has seen
 
 
 class TrajectoryTargets:
     """The relays' ``DeliveryPort``: verify first, then reach (or wake) the trajectory's actor."""
+
+    any_state_actions: frozenset[str] = _ANY_STATE  # delivered to ended trajectories too
 
     def __init__(
         self,
@@ -116,7 +124,10 @@ class TrajectoryTargets:
         except (ControlError, CodecError) as e:
             reason = e.reason if isinstance(e, ControlError) else "MALFORMED"
             return await self._to_live(envelope, when, f"rejected:{reason}:{e}")
-        reached = await self.incarnations.call(tid, "deliver", envelope.data, when)
+        # An operator's settle or handoff applies in any state (issue 11): an ended trajectory still owes
+        # what it owes, so it is woken from its log for these, and only these.
+        any_state = envelope.action in self.any_state_actions
+        reached = await self.incarnations.call(tid, "deliver", envelope.data, when, wake_ended=any_state)
         if reached.reach is Reach.UNKNOWN:
             return UNKNOWN
         if reached.reach is Reach.TERMINAL:

@@ -1,7 +1,7 @@
 """What a relay delivers through (``actors.relay.TrajectoryTargets``) with a real keyring and an in-memory
 actor runtime: a message that does not verify never wakes anything (a live incarnation still hears it, to
 audit it in its own log); a verified one wakes a hibernated trajectory; ended and unknown ones are answered
-without a process."""
+without a process, except an operator's settle or handoff, which applies to an ended trajectory too."""
 
 from __future__ import annotations
 
@@ -133,6 +133,36 @@ async def test_ended_and_unknown_trajectories_are_answered_without_a_process(key
     assert await targets.deliver(envelope_of(signed(keyring, "t-done"))) == TERMINAL
     assert await targets.deliver(envelope_of(signed(keyring, "ghost"))) == UNKNOWN
     assert runtime.created == []
+
+
+class RefusesEnded(TrajectoryTargets):
+    """Protection off: no action is delivered to an ended trajectory (the relay before the exemption)."""
+
+    any_state_actions: frozenset[str] = frozenset()
+
+
+@pytest.mark.parametrize("action", [ControlAction.SETTLE, ControlAction.HANDOFF])
+@pytest.mark.parametrize("kind", [TrajectoryTargets, RefusesEnded], ids=["any-state", "protection-off"])
+async def test_an_operators_settle_or_handoff_reaches_an_ended_trajectory(
+    keyring: Path, action: ControlAction, kind: type[TrajectoryTargets]
+) -> None:
+    # Given a trajectory that ended (CANCELED) while it still owes something (its actor is gone)
+    targets, runtime, launches = setup(keyring, kind)
+    launches.add("t-done", "CANCELED")
+    payload = {"target": "op-1", "settlement": "absent"} if action is ControlAction.SETTLE else {"to": "bob"}
+    m = ControlMessage.create("t-done", action, "alice", payload=payload, now=time.time())
+    message = sign(m, "alice", load_private_key("alice", keyring))
+
+    # When an operator settles (or hands off) what it owes
+    answer = await targets.deliver(envelope_of(message))
+
+    # Then the ended trajectory is woken from its log and takes the message (the decider applies these in
+    # any state); the control refuses it as TRAJECTORY_TERMINAL and the obligation stays owed
+    if kind is RefusesEnded:
+        assert answer == TERMINAL and runtime.created == []
+        return
+    assert answer == "recorded" and len(runtime.created) == 1
+    assert runtime.created[0].calls[0][0] == "deliver"
 
 
 @pytest.mark.parametrize("judged", ["when-received", "protection-off"])
