@@ -57,7 +57,7 @@ from runtime.memstore import check_trajectory_id
 from runtime.metrics import Metrics
 from runtime.observe import HookChain, MetricsHooks
 from runtime.ports import AdmissionPort, GuardPort
-from runtime.record import ControlAction, Lease, LeaseKind, TrajectoryRecord
+from runtime.record import AuditKind, ControlAction, Lease, LeaseKind, TrajectoryRecord
 
 __all__ = [
     "NAMESPACE",
@@ -80,6 +80,15 @@ _log = logging.getLogger(__name__)
 
 def _not_judged_here(_message_id: str, _nonce: str) -> bool:
     return False  # replay is judged after verification, against the record and the nonce set
+
+
+def _refusal_reason(record: TrajectoryRecord, message_id: str) -> str:
+    """The reason the decider audited for refusing a verified message (an ended trajectory, a settle naming
+    nothing owed, ...), so the relay's audit names it rather than a guess."""
+    for entry in reversed(record.audit):
+        if entry.kind is AuditKind.CONTROL_REJECTED and entry.subject == message_id:
+            return entry.reason.upper()
+    return "TRAJECTORY_TERMINAL"
 
 
 def actor_name(trajectory_id: str) -> str:
@@ -234,7 +243,7 @@ class TrajectoryActor:
         received = ControlReceived(msg.message_id, action, msg.issuer, msg.reason, payload, signer_roles)
         answer = await harness.deliver(received)
         if answer == "rejected":
-            return "rejected:TRAJECTORY_TERMINAL"
+            return f"rejected:{_refusal_reason(harness.record, msg.message_id)}"
         if answer == "recorded":
             # the nonce set holds only verified, recorded messages
             client = self._client()

@@ -79,30 +79,43 @@ def keyring(tmp_path: Path) -> Path:
     return path
 
 
+# A trajectory that stays live while messages are delivered: it proposes a sleep call held for approval
+# (the decider starts running as soon as the actor creates the record, so one that finished at once would
+# meet every message as TRAJECTORY_TERMINAL).
+HELD: dict[str, Any] = {
+    "metadata": {"scenario": "irreversible:sleep"},
+    "grants": ("sleep",),
+    "local_tools": ("sleep",),
+    "approval_required": ("sleep",),
+    "approval_timeout_s": 600.0,
+}
+
+
 def _actor(
-    kind: type[TrajectoryActor], redis_url: str, keyring: Path, provider: ProviderThread
+    kind: type[TrajectoryActor], redis_url: str, keyring: Path, provider: ProviderThread, **overrides: Any
 ) -> TrajectoryActor:
-    launch = TrajectoryLaunch(
-        trajectory_id=f"t-{uuid.uuid4().hex[:10]}",
-        goal="be interrupted",
-        ceilings={"tokens": 100_000},
-        created_at=time.time(),
-        metadata={"scenario": "finish_after:0"},
-        provider=ProviderLaunch(base_url=provider.base_url, model="sim"),
-        redis_url=redis_url,
-        use_scheduler=False,
-        guard="local",
-        keyring_path=str(keyring),
-        completion_check=CheckLaunch(name="always"),
-    )
-    return kind(launch.to_json(), ClusterAdapters())
+    fields: dict[str, Any] = {
+        "trajectory_id": f"t-{uuid.uuid4().hex[:10]}",
+        "goal": "be interrupted",
+        "ceilings": {"tokens": 100_000},
+        "created_at": time.time(),
+        "provider": ProviderLaunch(base_url=provider.base_url, model="sim"),
+        "redis_url": redis_url,
+        "use_scheduler": False,
+        "guard": "local",
+        "keyring_path": str(keyring),
+        "completion_check": CheckLaunch(name="always"),
+        **(overrides or HELD),
+    }
+    return kind(TrajectoryLaunch(**fields).to_json(), ClusterAdapters())
 
 
 async def _close(a: TrajectoryActor) -> None:
     task = a._loop_task
-    if task is not None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 60.0)
+    if task is not None and not task.done():
+        task.cancel()  # a held trajectory waits for its approval: nothing more to see
+        with contextlib.suppress(BaseException):
+            await task
     await a._shutdown()
 
 
@@ -187,5 +200,32 @@ async def test_a_message_read_in_its_window_is_valid_however_late_it_is_delivere
             load_private_key("alice", keyring),
         )
         assert await a.deliver(encode_message(late), time.time() + 3600.0) == "rejected:EXPIRED"
+    finally:
+        await _close(a)
+
+
+async def test_a_refusal_names_the_deciders_reason(
+    redis_url: str, keyring: Path, provider: ProviderThread
+) -> None:
+    # Given a trajectory that runs to its end (the simulated model finishes at once)
+    a = _actor(TrajectoryActor, redis_url, keyring, provider, metadata={"scenario": "finish_after:0"})
+    tid = a.launch.trajectory_id
+    key = load_private_key("alice", keyring)
+
+    def signed(action: ControlAction, payload: dict[str, Any] | None = None) -> bytes:
+        return encode_message(
+            sign(ControlMessage.create(tid, action, "alice", now=time.time(), payload=payload), "alice", key)
+        )
+
+    try:
+        summary = await asyncio.wait_for(a.run(), 60.0)
+        assert summary["state"] == "COMPLETED"
+        # When an operator settles something it never owed, and someone resumes the ended trajectory
+        settle = await a.deliver(signed(ControlAction.SETTLE, {"target": "op-none", "settlement": "absent"}))
+        resume = await a.deliver(signed(ControlAction.RESUME))
+        # Then each refusal carries the reason the decider audited (a settle applies in any state, so it is
+        # judged on what it names; anything else meets an ended trajectory)
+        assert settle == "rejected:UNKNOWN_TARGET"
+        assert resume == "rejected:TRAJECTORY_TERMINAL"
     finally:
         await _close(a)
