@@ -63,7 +63,6 @@ __all__ = [
 _STATE_ORDER = [s.value for s in TrajectoryState]
 _log = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 60.0
-log = logging.getLogger(__name__)
 
 
 class RunStopped(Exception):
@@ -699,6 +698,13 @@ class Driver:
     keeps a dead named actor registered, and a relay looking the trajectory up found the dead actor and
     could never wake it: issue 16) and a finished actor's trajectory slot is freed for the next one. Reads
     of the status snapshots ride out a Redis outage within ``outage_budget_s`` (issue 13).
+
+    A hibernated trajectory is woken by a control message (the relays) or by its durable timers (an approval's
+    expiry, its deadline: the cluster's timer service, ``cluster.timer_service``), never by this driver,
+    which only watches (issue 10: expiry must not depend on the CLI being there). ``self_wake`` is for a
+    run without a timer service (``--relays 0``): then the driver re-creates the actor itself once the held
+    approval expired or the deadline passed. Either way, a trajectory still hibernated ``deadline_grace_s``
+    after its deadline is woken by the driver as a last resort.
     """
 
     def __init__(
@@ -721,6 +727,7 @@ class Driver:
         # that woke it) is re-created from its launch this many times; its log carries it on.
         self.max_revivals = 3
         self.live: dict[str, Any] = {}  # trajectory id -> handle, only while its run() is awaited
+        self.self_wake = True  # no timer service runs: wake on expiry and deadline ourselves
         self.supervision: dict[str, Any] = {}
 
     async def run(
@@ -797,10 +804,10 @@ class Driver:
                 if status.get("hibernated") == "1":
                     summary = {"hibernated": True}
                 elif status.get("state") in _TERMINAL:
-                    summary = _summary_of(status)  # it ended and was collected before we asked
+                    summary = await self._ended(client, launch)  # it ended and was collected before we asked
                 elif revivals < self.max_revivals:
                     revivals += 1
-                    log.warning("traj:%s died for good before it ended (%s); re-creating it", tid, e)
+                    _log.warning("traj:%s died for good before it ended (%s); re-creating it", tid, e)
                     summary = {"hibernated": True, "revive": True}
                 else:
                     error = f"actor died: {e}"
@@ -815,7 +822,7 @@ class Driver:
             if not summary.get("hibernated"):
                 break
             if not summary.get("revive"):
-                ended = await self._until_woken(client, tid, deadline_at)
+                ended = await self._until_woken(client, launch, deadline_at, give_up_at)
                 if ended is not None:
                     summary = ended  # it ran to its end after a relay woke it: no need to create it again
                     break
@@ -840,23 +847,47 @@ class Driver:
         )
 
     async def _until_woken(
-        self, client: aioredis.Redis, trajectory_id: str, deadline_at: float
+        self, client: aioredis.Redis, launch: TrajectoryLaunch, deadline_at: float, give_up_at: float
     ) -> dict[str, Any] | None:
-        """Wait while the trajectory hibernates; wake it ourselves when its held approval expires or its
-        deadline has passed (a woken actor records either and ends the trajectory). Returns its summary when
-        it ended meanwhile (a relay woke it and it ran to its end), else None: then follow it again."""
+        """Wait while the trajectory hibernates. Returns its summary when it ended meanwhile (a relay or the
+        timer service woke it and it ran to its end), else None: then follow it again (it was woken, or it
+        is the driver's turn to wake it: see the class docstring)."""
+        trajectory_id = launch.trajectory_id
         while True:
             status = await self._status(client, trajectory_id)
             if status.get("state") in _TERMINAL and status.get("hibernated") != "1":
-                return _summary_of(status)
+                return await self._ended(client, launch)
             if status.get("hibernated") != "1":
                 return None  # a relay or the timer service woke it (a control message or a timer)
-            expires = status.get("held_expires_at")
-            if expires and time.time() >= float(expires):
-                return None  # the expiry must be recorded: re-create the actor and let it refuse the call
-            if time.time() >= deadline_at:
-                return None  # past its deadline: the re-created actor ends it as DEADLINE_EXCEEDED
+            now = time.time()
+            if now >= give_up_at:
+                _log.warning("traj:%s still hibernates past its deadline; waking it", trajectory_id)
+                return None  # the timer service did not: the re-created actor ends it as DEADLINE_EXCEEDED
+            if self.self_wake:
+                expires = status.get("held_expires_at")
+                if expires and now >= float(expires):
+                    return None  # the expiry must be recorded: re-create the actor and let it refuse the call
+                if now >= deadline_at:
+                    return None  # past its deadline: the re-created actor ends it as DEADLINE_EXCEEDED
             await asyncio.sleep(self.poll_s)
+
+    async def _ended(self, client: aioredis.Redis, launch: TrajectoryLaunch) -> dict[str, Any]:
+        """The run summary of a trajectory that ended without us (its actor is gone): folded from its log,
+        the same summary its actor would have answered; from its status snapshot if the log cannot be read."""
+        from actors.status import summarize
+        from actors.wiring import build_policy, build_registry
+        from cluster.log_store import RedisLogStore
+        from runtime.codec import decode
+        from runtime.fold import fold
+
+        trajectory_id = launch.trajectory_id
+        store = RedisLogStore(client, url=self.redis_url, outage_s=self.outage_budget_s)
+        try:
+            events = [decode(payload) for _, payload in await store.read(trajectory_id)]
+            return summarize(fold(events, build_policy(launch, build_registry(launch))))
+        except Exception as e:  # a view: the snapshot says almost as much
+            _log.warning("traj:%s: summary from its status snapshot (log not folded: %s)", trajectory_id, e)
+            return _summary_of(await self._status(client, trajectory_id))
 
     async def _status(self, client: aioredis.Redis, trajectory_id: str) -> dict[str, str]:
         """The status snapshot; an unreachable Redis is waited for within the outage budget."""
@@ -967,6 +998,7 @@ def run_driver(
             asked = True
     driver = Driver(planned, services.redis_url, services.adapters)
     driver.poll_s = options.poll_s
+    driver.self_wake = not services.timer_handles  # the timer service wakes hibernated trajectories
     metrics = None
     if options.metrics_port is not None:
         from cluster.observe import start_driver_metrics
