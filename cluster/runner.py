@@ -3,12 +3,13 @@
 1. ``Services`` starts what the workload needs and stops it on exit (also on Ctrl-C): the embedded Redis
    (unless ``TETHER_REDIS_URL`` is set), the simulated provider, the testbed tool services, a small local
    Ray on loopback (unless ``--address``), the scheduler actor with the provider's limits and the priority
-   classes, and the control relays (``relay:0`` .. ``relay:<n-1>``), so ``tether pause/approve/...`` act on
-   the trajectories while the run is going.
+   classes, the control relays (``relay:0`` .. ``relay:<n-1>``), so ``tether pause/approve/...`` act on
+   the trajectories while the run is going, and as many timer service replicas (``timers:<n>``), which fire
+   durable timers (expiries, deadlines) into the trajectories, waking hibernated ones.
 2. ``plan_launches`` turns every trajectory of the workload into a ``TrajectoryLaunch`` (stored in Redis, so
    anyone can re-create an actor later).
 3. ``Driver`` creates one trajectory actor per launch, waits for each ``run()``, follows hibernated ones
-   (waking them itself when a held approval expires, since silence is denial and must be recorded), and
+   until a relay or the timer service wakes them (waking them itself only without a timer service), and
    samples every trajectory's status snapshot to draw progress and a states-over-time timeline.
 4. ``RunResult.report()`` is the JSON report of issue 3, ``write_timeline_png`` the picture beside it.
 """
