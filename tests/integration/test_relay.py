@@ -5,6 +5,7 @@
 - a trajectory whose exited actor is still pinned under its name (someone holds a handle) is woken anyway;
 - undeliverable entries for other trajectories do not hold up an interrupt to a running one;
 - a dead relay's partitions are taken over, each message delivered once, in order;
+- an operator's handoff reaches a trajectory that ended (woken from its log), a resume does not;
 - a repeated message is recorded once and audited ``DUPLICATE``; an unknown trajectory is audited once;
 - a Redis outage (the server stopped and restarted on the same port and data) is waited out.
 
@@ -14,6 +15,7 @@ Each protection has its control: the same scenario with the protection off, asse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -34,7 +36,13 @@ from cluster.adapters import ClusterAdapters, RedisAudit
 from cluster.control import ControlAction, ControlMessage, ControlStream, encode_message, partition_of
 from cluster.control_client import ControlClient
 from cluster.redis_server import RedisServer
-from runtime.events import ControlRejected, ControlRequested, ObservationAppended, ObservationKind
+from runtime.events import (
+    ControlRejected,
+    ControlRequested,
+    ObservationAppended,
+    ObservationKind,
+    OperatorActed,
+)
 from runtime.states import TrajectoryState
 from testbed.provider.config import ProviderConfig
 from testbed.provider.launch import ProviderThread, start_provider_thread
@@ -251,6 +259,29 @@ async def test_a_trajectory_whose_dead_actor_is_pinned_under_its_name_is_woken(
         await incarnations.close()
         await store.close()
         del pinned
+
+
+async def test_an_operators_handoff_reaches_a_trajectory_that_ended(plane: Plane) -> None:
+    # Given a trajectory that ran to its end and whose actor is gone
+    plane.relays += start_relays(plane.url, adapters=ClusterAdapters(), config=FAST)
+    tid = plane.launch("finish_after:0")
+    await plane.state(tid, S.COMPLETED)
+    await plane.status(tid, lambda s: s.state == S.COMPLETED.value, "the terminal status snapshot")
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(f"traj:{tid}", namespace="tether"), no_restart=True)
+    await eventually(lambda: _value(not plane.actor_alive(tid)), "the actor to be gone")
+
+    # When an operator hands what it owes to bob (tether handoff), and someone tries to resume it
+    handoff = await plane.client.send(tid, ControlAction.HANDOFF, issuer="alice", payload={"to": "bob"})
+    resume = await plane.client.send(tid, ControlAction.RESUME, issuer="alice")
+    await eventually(lambda: settled(plane.url), "both entries acked")
+
+    # Then the ended trajectory was woken from its log for the handoff, which it recorded (settle and handoff
+    # apply in any state); the resume met an ended trajectory and was refused
+    acted = kinds(await plane.events(tid), OperatorActed)
+    assert [(e.message_id, e.action) for e in acted] == [(handoff.message.message_id, ControlAction.HANDOFF)]
+    audited = [(a.message_id, a.reason) for a in await plane.client.audit() if a.trajectory_id == tid]
+    assert audited == [(resume.message.message_id, "TRAJECTORY_TERMINAL")]
 
 
 # --------------------------------------------------------------------------- head-of-line
