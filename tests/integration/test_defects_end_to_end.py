@@ -45,6 +45,7 @@ from cluster.adapters import ClusterAdapters
 from cluster.control_client import ControlClient
 from cluster.log_store import RedisLogStore
 from cluster.signing import Role, create_key
+from cluster.timers import RedisTimerStore
 from runtime.codec import decode
 from runtime.events import (
     ApprovalDecided,
@@ -90,6 +91,8 @@ RELAY_CONFIG = {"claim_idle_ms": 1_000, "claim_every_s": 0.2, "block_ms": 100}
 # A hanging call's own deadline: the testbed holds it that long (plus a little) before the tool even runs,
 # so anything that ends within WAIT_S did not wait it out.
 HANG_S = 500.0
+# How soon after a durable timer falls due a timer service must have claimed it.
+CLAIM_S = 5.0
 
 
 # --------------------------------------------------------------------------- fixtures and helpers
@@ -313,6 +316,64 @@ async def test_a_paused_trajectory_ends_at_its_absolute_deadline(world: World, s
     assert [r.action.value for r in kinds(events, ControlRequested)] == ["pause"]  # nobody resumed it
     final = fold(events)
     assert final.state is S.FAILED and final.exit_reason is ExitReason.DEADLINE_EXCEEDED
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="no timer service on main: durable timers are stored (cluster.timers.RedisTimerStore) but nothing "
+    "claims them (claim_due has no caller) or calls TrajectoryActor.fire_timer; only `tether run`'s driver "
+    "wakes a hibernated trajectory at its deadline (cluster/runner.py Driver._until_woken), the rule issue "
+    "10 moves out of the driver. The control-plane branch adds cluster/timer_service.py: once merged, start "
+    "it beside the relays in the `world` fixture (start_timer_services) and drop this mark",
+)
+async def test_a_hibernated_paused_trajectory_is_woken_by_its_durable_deadline_and_ends(world: World) -> None:
+    # Given a trajectory paused before its deadline that then hibernated (its actor exited: only the durable
+    # timers outlive it), with no `tether run` driver around
+    for deadline_s in (8.0, 30.0, 120.0):
+        tid, run = world.start(
+            "d1-hibernated",
+            scenario="finish_after:50",
+            grants=["run_tests"],
+            deadline_s=deadline_s,
+            hibernate_after_s=1.0,
+            ceilings={**CEILINGS, "turns": 200, "tokens": 500_000, "dollars": 20.0},
+        )
+        await world.control.pause(tid, issuer="alice", reason="maintenance window")
+        summary = await ended(run, timeout_s=deadline_s + WAIT_S)
+        paused = await world.record(tid)
+        assert paused.deadline is not None
+        if summary["hibernated"] and paused.state is S.PAUSED and time.time() < paused.deadline - 0.5:
+            break
+        world.kill(tid)
+    else:
+        pytest.fail("could not hibernate a paused trajectory before its deadline on this machine")
+    events = await world.events(tid)
+    (timer,) = [t for t in kinds(events, TimerStarted) if t.timer_kind is TimerKind.DEADLINE]
+
+    # When its deadline falls due while nobody is around
+    timers = RedisTimerStore.from_url(world.redis_url)
+    try:
+        assert await timers.due_at(tid, timer.timer_id) == pytest.approx(timer.due_at)
+
+        async def taken() -> bool:
+            # a timer service claims a due timer (its score moves to the lease) or completes it (removed)
+            at = await timers.due_at(tid, timer.timer_id)
+            return at is None or abs(at - timer.due_at) > 1e-3
+
+        async def due_and_taken_or_late() -> bool:
+            return await taken() or time.time() > timer.due_at + CLAIM_S
+
+        await until(
+            due_and_taken_or_late, "the deadline timer", timeout_s=timer.due_at - time.time() + WAIT_S
+        )
+        # Then a timer service took the due timer (bounded: CLAIM_S after it fell due) ...
+        assert await taken(), "nobody claimed the due deadline timer"
+    finally:
+        await timers.close()
+    # ... and delivered it to a new incarnation, which ended the trajectory at its deadline
+    rec = await world.state(tid, S.FAILED)
+    assert rec.state is S.FAILED and rec.exit_reason is ExitReason.DEADLINE_EXCEEDED
 
 
 def _deadline_fired(events: list[Event]) -> bool:
