@@ -116,6 +116,12 @@ def _single_message_quorum() -> None:
     gate._vote = vote
 
 
+def _roles_ignored() -> None:
+    """Defect 5, roles: a quorum of distinct signers is enough, whichever roles they hold."""
+    approval = _module("runtime.approval")
+    approval._cover_roles = lambda required, signer_roles: frozenset()
+
+
 def _rejected_calls_unwatched() -> None:
     """Defect 6: a call rejected locally (its arguments, its grant) is never shown to the watchdog."""
     tools = _module("runtime._decide_tools")
@@ -132,6 +138,7 @@ SWITCHES: dict[str, Callable[[], None]] = {
     "stop-waits-for-calls": _stop_waits_for_calls,
     "approval-wait-charged": _approval_wait_charged,
     "single-message-quorum": _single_message_quorum,
+    "roles-ignored": _roles_ignored,
     "rejected-calls-unwatched": _rejected_calls_unwatched,
 }
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import pydantic
 import pytest
 import ray
 
@@ -670,17 +669,13 @@ async def test_two_single_signature_approvals_accumulate_to_a_quorum_of_two(
     assert summary["state"] == "COMPLETED"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pydantic.ValidationError,
-    reason="required-role coverage cannot be configured for a launched trajectory: TrajectoryLaunch has no "
-    "approval_roles field and actors.wiring.build_policy never sets TrajectoryPolicy.approval_roles, so the "
-    "decider's role check (runtime._decide_approval, tested in tests/unit) is unreachable end to end",
-)
-async def test_a_quorum_must_cover_the_required_roles(world: World) -> None:
-    # Given a notification held for a quorum of two that must include a secops approver
+@pytest.mark.parametrize("switch", [None, "roles-ignored"], ids=["runtime", "control"])
+async def test_a_quorum_must_cover_the_required_roles(world: World, switch: str | None) -> None:
+    # Given a notification held for a quorum of two that must include a secops approver (the keyring gives
+    # alice and olga the operator role, sam secops)
     tid, run = world.start(
         "d5-roles",
+        switch=switch,
         scenario="irreversible:send_notification",
         grants=["send_notification"],
         approval_required=("send_notification",),
@@ -697,14 +692,26 @@ async def test_a_quorum_must_cover_the_required_roles(world: World) -> None:
     await world.control.approve(tid, issuer="olga", call_digest=held.digest)
     events = await until_logged(world.redis_url, tid, lambda ev: len(kinds(ev, ApprovalVoted)) == 2, WAIT_S)
 
-    # Then it is still held and unsent
-    assert fold(events).state is S.AWAITING_APPROVAL and kinds(events, ApprovalDecided) == []
+    # Then it is still held and unsent (the decision on a vote is in the same batch as the vote)
+    if switch is not None:
+        # (control) a gate that counts distinct signers and ignores roles: two operators sent it
+        (decided,) = kinds(events, ApprovalDecided)
+        assert decided.decision is ApprovalDecision.APPROVED and sorted(decided.issuers) == ["alice", "olga"]
+        await ended(run)
+        assert [d.tool for d in (await world.book()).deliveries] == ["send_notification"]
+        return
+    rec = fold(events)
+    assert rec.state is S.AWAITING_APPROVAL and kinds(events, ApprovalDecided) == []
+    assert rec.held is not None and rec.held.required_roles == frozenset({"secops"})
     assert (await world.book()).deliveries == ()
 
     # When a secops approver adds their signature, it is dispatched once
     await world.control.approve(tid, issuer="sam", call_digest=held.digest)
     summary = await ended(run)
-    (call,) = dispatched(await world.events(tid), "send_notification")
+    events = await world.events(tid)
+    (decided,) = kinds(events, ApprovalDecided)
+    assert decided.decision is ApprovalDecision.APPROVED and "sam" in decided.issuers
+    (call,) = dispatched(events, "send_notification")
     assert [d.effect_key for d in (await world.book()).deliveries] == [call.effect_key]
     assert summary["state"] == "COMPLETED"
 
