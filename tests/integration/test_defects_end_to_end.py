@@ -580,7 +580,7 @@ async def test_time_awaiting_approval_is_not_charged_to_the_compute_budget(
 
     # When the approval comes several seconds later (the wait is the scenario: it must be long enough to
     # tell apart from everything else the trajectory spends)
-    wait_s = 4.0
+    wait_s = 2.5
 
     async def waited() -> bool:
         return time.time() >= held.requested_at + wait_s
