@@ -86,7 +86,7 @@ PROVISIONER = "env-provisioner"
 # Waits are bounded generously (a busy 2-core machine starts a Ray worker in tens of seconds); a quiet one
 # gets through each test in seconds.
 WAIT_S = 120.0
-RELAY_CONFIG = {"claim_idle_ms": 1_000, "claim_every_s": 0.2, "block_ms": 100}
+RELAY_CONFIG = {"lease_ms": 1_000, "lease_every_s": 0.2, "block_ms": 100}
 # A hanging call's own deadline: the testbed holds it that long (plus a little) before the tool even runs,
 # so anything that ends within WAIT_S did not wait it out.
 HANG_S = 500.0
