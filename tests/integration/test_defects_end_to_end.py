@@ -44,6 +44,7 @@ from cluster.adapters import ClusterAdapters
 from cluster.control_client import ControlClient
 from cluster.log_store import RedisLogStore
 from cluster.signing import Role, create_key
+from cluster.timer_service import start_timer_services, stop_timer_services
 from cluster.timers import RedisTimerStore
 from runtime.codec import decode
 from runtime.events import (
@@ -223,11 +224,14 @@ async def world(
     redis_url: str, provider: ProviderThread, testbed: Testbed, keyring: Path
 ) -> AsyncIterator[World]:
     relays = start_relays(redis_url, 1, adapters=ClusterAdapters(), config=RELAY_CONFIG)
+    # the cluster's timer service fires durable timers (deadlines, expiries) into hibernated trajectories
+    timers = start_timer_services(redis_url, 1, adapters=ClusterAdapters(), config={"poll_s": 0.2})
     control = ControlClient.from_url(redis_url, keyring=keyring)
     w = World(redis_url, provider, testbed, keyring, control)
     try:
         yield w
     finally:
+        stop_timer_services(timers)
         stop_relays(relays)
         for tid in w.launched:
             w.kill(tid)
@@ -317,15 +321,6 @@ async def test_a_paused_trajectory_ends_at_its_absolute_deadline(world: World, s
     assert final.state is S.FAILED and final.exit_reason is ExitReason.DEADLINE_EXCEEDED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="no timer service on main: durable timers are stored (cluster.timers.RedisTimerStore) but nothing "
-    "claims them (claim_due has no caller) or calls TrajectoryActor.fire_timer; only `tether run`'s driver "
-    "wakes a hibernated trajectory at its deadline (cluster/runner.py Driver._until_woken), the rule issue "
-    "10 moves out of the driver. The control-plane branch adds cluster/timer_service.py: once merged, start "
-    "it beside the relays in the `world` fixture (start_timer_services) and drop this mark",
-)
 async def test_a_hibernated_paused_trajectory_is_woken_by_its_durable_deadline_and_ends(world: World) -> None:
     # Given a trajectory paused before its deadline that then hibernated (its actor exited: only the durable
     # timers outlive it), with no `tether run` driver around
