@@ -81,7 +81,8 @@ class ProviderLimiter:
 
     Each bucket is paired with a sliding-window ledger of the same capacity, so admissions in any
     window of ``window_s`` (a minute) never exceed it either: providers count per-minute limits over a
-    sliding window, where a bucket alone would allow a full burst plus a full minute of refill.
+    sliding window, where a bucket alone would allow a full burst plus a full minute of refill. Two more
+    ledgers keep every sub-window (``ProviderLimits.sub_window``) within the provider's share of it.
 
     - 429: admission on this key stops until ``Retry-After``; the refill rate is multiplied by
       ``decrease_factor`` (at most once per ``decrease_cooldown_s``) and the token level drops to
@@ -101,6 +102,14 @@ class ProviderLimiter:
         self.requests = TokenBucket(limits.request_capacity, limits.request_capacity / window, now)
         self.token_window = WindowLedger(limits.token_capacity, limits.window_s)
         self.request_window = WindowLedger(limits.request_capacity, limits.window_s)
+        self.sub_token_window: WindowLedger | None = None
+        self.sub_request_window: WindowLedger | None = None
+        if limits.sub_window > 0:
+            span = limits.sub_window * (1.0 + limits.headroom)
+            self.sub_token_window = WindowLedger(
+                limits.sub_share(limits.tokens_per_minute), span, alone_fits=True
+            )
+            self.sub_request_window = WindowLedger(limits.sub_share(limits.requests_per_minute), span)
         self.rate_factor = 1.0
         self.blocked_until = -math.inf
         self.rate_limited_count = 0
@@ -137,6 +146,8 @@ class ProviderLimiter:
             and self.requests.covers(1, now)
             and self.token_window.covers(cost, now)
             and self.request_window.covers(1, now)
+            and (self.sub_token_window is None or self.sub_token_window.covers(cost, now))
+            and (self.sub_request_window is None or self.sub_request_window.covers(1, now))
         )
 
     def admit(self, cost: int, now: float) -> int:
@@ -146,7 +157,11 @@ class ProviderLimiter:
         self.tokens.take(cost, now)
         self.requests.take(1, now)
         self.request_window.add(1, now)
-        return self.token_window.add(cost, now)
+        ledger_id = self.token_window.add(cost, now)
+        if self.sub_request_window is not None and self.sub_token_window is not None:
+            self.sub_request_window.add(1, now)
+            self.sub_token_window.add(cost, now, entry_id=ledger_id)  # one id: settle corrects both
+        return ledger_id
 
     def ready_at(self, cost: int, now: float) -> float:
         """Earliest monotonic time ``cost`` could be admitted (at the current rate)."""
@@ -157,6 +172,8 @@ class ProviderLimiter:
             self.requests.ready_at(1, now),
             self.token_window.ready_at(cost, now),
             self.request_window.ready_at(1, now),
+            -math.inf if self.sub_token_window is None else self.sub_token_window.ready_at(cost, now),
+            -math.inf if self.sub_request_window is None else self.sub_request_window.ready_at(1, now),
         )
 
     def settle(self, reserved: int, actual: int, now: float, ledger_id: int | None = None) -> None:
@@ -165,6 +182,8 @@ class ProviderLimiter:
         self.tokens.adjust(reserved - actual, now)
         if ledger_id is not None:
             self.token_window.correct(ledger_id, actual)
+            if self.sub_token_window is not None:
+                self.sub_token_window.correct(ledger_id, actual)
 
     # ------------------------------------------------------------------ feedback
 
