@@ -106,9 +106,10 @@ class ProviderLimiter:
         self.sub_request_window: WindowLedger | None = None
         if limits.sub_window > 0:
             span = limits.sub_window * (1.0 + limits.headroom)
-            self.sub_token_window = WindowLedger(
-                limits.sub_share(limits.tokens_per_minute), span, alone_fits=True
-            )
+            if limits.sub_window_tokens:
+                self.sub_token_window = WindowLedger(
+                    limits.sub_share(limits.tokens_per_minute), span, alone_fits=True
+                )
             self.sub_request_window = WindowLedger(limits.sub_share(limits.requests_per_minute), span)
         self.rate_factor = 1.0
         self.blocked_until = -math.inf
@@ -158,8 +159,9 @@ class ProviderLimiter:
         self.requests.take(1, now)
         self.request_window.add(1, now)
         ledger_id = self.token_window.add(cost, now)
-        if self.sub_request_window is not None and self.sub_token_window is not None:
+        if self.sub_request_window is not None:
             self.sub_request_window.add(1, now)
+        if self.sub_token_window is not None:
             self.sub_token_window.add(cost, now, entry_id=ledger_id)  # one id: settle corrects both
         return ledger_id
 

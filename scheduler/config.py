@@ -44,8 +44,10 @@ class ProviderLimits(_Frozen):
     # second"); the scheduler keeps each sub-window below the provider's share of it, ceil(limit * sub /
     # window). None: window_s / 60 (one second of a minute); 0: no sub-window. Headroom here is time: the
     # share is counted over sub * (1 + headroom), so admissions a little early or late at the provider
-    # still fit its sub-window.
+    # still fit its sub-window. Requests only, unless ``sub_window_tokens`` (for a provider that also
+    # meters tokens per sub-window: then a turn's high prompt estimate costs throughput, see the bench).
     sub_window_s: float | None = Field(default=None, ge=0.0)
+    sub_window_tokens: bool = False
 
     @model_validator(mode="after")
     def _room_for_one_request(self) -> Self:

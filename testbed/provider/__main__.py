@@ -1,7 +1,7 @@
 """Command line of the simulated provider.
 
 ``python -m testbed.provider --host 127.0.0.1 --port PORT --tpm N --rpm N [--ttft-ms X] [--tokens-per-s Y]
-[--limiter sliding_window|token_bucket] [--sub-window-s S] [--no-count-rejected]``
+[--limiter sliding_window|token_bucket] [--sub-window-s S] [--sub-window-tokens] [--no-count-rejected]``
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         help="sliding_window: shorter enforcement period (default window/60, 0 = off)",
     )
     p.add_argument(
+        "--sub-window-tokens",
+        action="store_true",
+        help="sliding_window: enforce the token limit per sub-window too",
+    )
+    p.add_argument(
         "--no-count-rejected",
         dest="count_rejected",
         action="store_false",
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             window_s=args.window_s,
             limiter=LimiterMode(args.limiter),
             sub_window_s=args.sub_window_s,
+            sub_window_tokens=args.sub_window_tokens,
             count_rejected=args.count_rejected,
             default_max_tokens=args.default_max_tokens,
             models=tuple(args.models) if args.models else ("tether-sim",),

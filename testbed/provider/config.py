@@ -31,6 +31,9 @@ class ProviderConfig(BaseModel):
         description="sliding_window only: the shorter period the limits are also enforced over, scaled "
         "to its length; None = window_s / 60 (a 60 RPM key acts as 1 request per second), 0 = off",
     )
+    sub_window_tokens: bool = Field(
+        False, description="sliding_window only: enforce the token limit per sub-window too (off by default)"
+    )
     count_rejected: bool = Field(
         True, description="a 429 still costs one request and the prompt's tokens (as OpenAI documents)"
     )
@@ -67,8 +70,8 @@ class ConfigPatch(BaseModel):
     """Body of ``POST /testbed/config``: every field optional.
 
     ``fault`` starts a fault (replacing any active one); ``clear_fault`` ends the active one. Changing
-    ``limiter``, ``sub_window_s`` or ``count_rejected`` starts a fresh limiter (charges so far are forgotten);
-    changing ``rpm``/``tpm`` keeps them.
+    ``limiter``, ``sub_window_s``, ``sub_window_tokens`` or ``count_rejected`` starts a fresh limiter
+    (charges so far are forgotten); changing ``rpm``/``tpm`` keeps them.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -80,6 +83,7 @@ class ConfigPatch(BaseModel):
     default_max_tokens: int | None = Field(None, ge=1)
     limiter: LimiterMode | None = None
     sub_window_s: float | None = Field(None, ge=0)
+    sub_window_tokens: bool | None = None
     count_rejected: bool | None = None
     fault: Fault | None = None
     clear_fault: bool = False
@@ -92,4 +96,7 @@ class ConfigPatch(BaseModel):
     @property
     def rebuilds_limiter(self) -> bool:
         """True when the patch changes how limits are metered, not only their values."""
-        return any(v is not None for v in (self.limiter, self.sub_window_s, self.count_rejected))
+        return any(
+            v is not None
+            for v in (self.limiter, self.sub_window_s, self.sub_window_tokens, self.count_rejected)
+        )

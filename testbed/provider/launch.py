@@ -114,6 +114,7 @@ def _cli_args(config: ProviderConfig) -> list[str]:
         f"--window-s={config.window_s}",
         f"--limiter={config.limiter.value}",
         *([f"--sub-window-s={config.sub_window_s}"] if config.sub_window_s is not None else []),
+        *(["--sub-window-tokens"] if config.sub_window_tokens else []),
         *([] if config.count_rejected else ["--no-count-rejected"]),
         f"--default-max-tokens={config.default_max_tokens}",
         *(f"--model={m}" for m in config.models),

@@ -3,11 +3,10 @@
 Two limiter modes, one per documented real-provider behaviour:
 
 - ``sliding_window`` (default, mimics OpenAI): per-minute RPM and TPM over an exact sliding window, and
-  the same limits scaled down to a *sub-window* (by default 1/60 of the window: a 60 RPM key may act as
-  1 request per second, a 60,000 TPM key as 1,000 tokens per second). OpenAI's 429 guidance says limits
-  "can be applied over shorter periods" and gives exactly that example. The token sub-limit never refuses
-  a request that would be alone in its sub-window (a 60k-TPM key still accepts one 4k-token request).
-  See :mod:`.sliding_window`.
+  the request limit scaled down to a *sub-window* (by default 1/60 of the window: a 60 RPM key acts as
+  1 request per second). OpenAI's 429 guidance says limits "can be applied over shorter periods" and gives
+  exactly that example. The token limit can be enforced per sub-window too (``sub_window_tokens``, off by
+  default). See :mod:`.sliding_window`.
 - ``token_bucket`` (mimics Anthropic): a bucket per dimension holding one minute's limit, refilled
   continuously at ``limit / window`` per second, full at start. See :mod:`.token_bucket`.
 

@@ -418,6 +418,7 @@ def make_limiter(config: ProviderConfig, clock: Clock) -> RateLimiter:
         tpm=tpm,
         window_s=config.window_s,
         sub_window_s=config.sub_window_s,
+        sub_window_tokens=config.sub_window_tokens,
         count_rejected=config.count_rejected,
     )
 

@@ -4,9 +4,13 @@ A request is admitted when, counting every charge whose timestamp lies in ``(now
 request and its token charge fit under the limits of *both* horizons:
 
 - the window (``window_s``, 60 s for a real provider): ``rpm`` requests and ``tpm`` tokens;
-- the sub-window (``sub_window_s``, default ``window_s / 60``; 0 turns it off): the same limits scaled to
-  its length and rounded up, ``ceil(rpm * sub / window)`` and ``ceil(tpm * sub / window)``. A request that
-  would be the only token charge in its sub-window is never refused by the sub-window's token limit.
+- the sub-window (``sub_window_s``, default ``window_s / 60``; 0 turns it off): the request limit scaled to
+  its length and rounded up, ``ceil(rpm * sub / window)`` (OpenAI's example: a 60 RPM limit may act as one
+  request per second, so "short high-volume request bursts" are refused). With ``sub_window_tokens`` the
+  token limit too, ``ceil(tpm * sub / window)``; then a request that would be the only token charge in its
+  sub-window is never refused by it (a 60k-TPM key still takes one 4k-token request). Off by default:
+  OpenAI's example is about requests, and a per-second token share of a few requests' size makes the
+  outcome hinge on how well a client estimates prompt sizes rather than on how it paces.
 
 Rejected requests leave a charge (one request, their prompt tokens) when ``count_rejected`` is on. The
 common rules (charge, correction, truthful headers) are in :mod:`.limits`.
@@ -129,6 +133,7 @@ class SlidingWindowLimiter:
         tpm: int | None,
         window_s: float = 60.0,
         sub_window_s: float | None = None,
+        sub_window_tokens: bool = False,
         count_rejected: bool = True,
     ) -> None:
         if window_s <= 0:
@@ -139,6 +144,7 @@ class SlidingWindowLimiter:
         self._clock = clock
         self._window = window_s
         self._sub = sub
+        self._sub_tokens = sub_window_tokens
         self.count_rejected = count_rejected
         self._minute = _Horizon(window_s, None, None, alone_fits=False)
         self._short: _Horizon | None = _Horizon(sub, None, None, alone_fits=True) if sub > 0 else None
@@ -159,7 +165,8 @@ class SlidingWindowLimiter:
         self._minute.rpm, self._minute.tpm = rpm, tpm
         if self._short is not None:
             fraction = self._sub / self._window
-            self._short.rpm, self._short.tpm = _scaled(rpm, fraction), _scaled(tpm, fraction)
+            self._short.rpm = _scaled(rpm, fraction)
+            self._short.tpm = _scaled(tpm, fraction) if self._sub_tokens else None
 
     def _horizons(self) -> tuple[_Horizon, ...]:
         return (self._minute,) if self._short is None else (self._minute, self._short)

@@ -77,8 +77,10 @@ def test_a_60_rpm_key_is_paced_at_one_request_per_sub_window() -> None:
 
 
 def test_a_token_charge_larger_than_the_sub_share_goes_alone() -> None:
-    # Given 6,000 TPM: 100 tokens per sub-window
-    limits = ProviderLimits(tokens_per_minute=6_000, requests_per_minute=10**6, headroom=0.0)
+    # Given 6,000 TPM metered per sub-window too: 100 tokens per sub-window
+    limits = ProviderLimits(
+        tokens_per_minute=6_000, requests_per_minute=10**6, headroom=0.0, sub_window_tokens=True
+    )
     limiter = ProviderLimiter(limits, FeedbackConfig(), 0.0)
     limiter.advance(600.0)
     # When a 500-token turn is admitted in an empty sub-window
@@ -101,7 +103,9 @@ def test_no_sub_window_is_ever_above_the_providers_share(
     arrivals: list[tuple[float, int]], rpm: int, tpm: int, headroom: float
 ) -> None:
     # Given any greedy arrival pattern against a full limiter
-    limits = ProviderLimits(tokens_per_minute=tpm, requests_per_minute=rpm, headroom=headroom)
+    limits = ProviderLimits(
+        tokens_per_minute=tpm, requests_per_minute=rpm, headroom=headroom, sub_window_tokens=True
+    )
     limiter = ProviderLimiter(limits, FeedbackConfig(), 0.0)
     now = 600.0
     admitted: list[tuple[float, int]] = []

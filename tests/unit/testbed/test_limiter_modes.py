@@ -54,8 +54,10 @@ def test_a_burst_of_a_minutes_requests_is_refused_after_the_sub_window_share() -
 
 
 def test_the_sub_window_never_refuses_a_token_charge_that_is_alone_in_it() -> None:
-    # Given 6,000 TPM: 100 tokens per one-second sub-window
-    clock, lim = build(LimiterMode.SLIDING_WINDOW, rpm=None, tpm=6_000, count_rejected=False)
+    # Given 6,000 TPM metered per sub-window too: 100 tokens per one-second sub-window
+    clock, lim = build(
+        LimiterMode.SLIDING_WINDOW, rpm=None, tpm=6_000, count_rejected=False, sub_window_tokens=True
+    )
     # When a 500-token request arrives in an empty sub-window
     assert isinstance(lim.try_admit(500), Admitted)
     # Then a 10-token request in the same second is refused until the sub-window is empty again
@@ -65,6 +67,16 @@ def test_the_sub_window_never_refuses_a_token_charge_that_is_alone_in_it() -> No
     assert refused.retry_after_s == pytest.approx(0.75)
     clock.advance(0.75)
     assert isinstance(lim.try_admit(10), Admitted)
+
+
+def test_by_default_the_sub_window_meters_requests_only() -> None:
+    # Given 6,000 TPM (100 per second) at the default sub-window
+    _, lim = build(LimiterMode.SLIDING_WINDOW, rpm=None, tpm=6_000, count_rejected=False)
+    # When 20 requests of 200 tokens arrive within one second
+    admitted = sum(isinstance(lim.try_admit(200), Admitted) for _ in range(20))
+    # Then only the minute's token limit applies
+    assert admitted == 20
+    assert lim.snapshot().remaining_tokens == 2_000
 
 
 def test_the_sub_window_can_be_turned_off() -> None:
@@ -81,9 +93,9 @@ def test_the_sub_window_can_be_turned_off() -> None:
 def test_no_sub_window_holds_more_than_its_share(
     arrivals: list[tuple[float, int]], rpm: int, tpm: int
 ) -> None:
-    # Given any arrivals at a sliding-window key (rejections counted)
+    # Given any arrivals at a sliding-window key metering tokens per sub-window too (rejections counted)
     clock = FakeClock()
-    lim = SlidingWindowLimiter(clock, rpm=rpm, tpm=tpm, window_s=60.0)
+    lim = SlidingWindowLimiter(clock, rpm=rpm, tpm=tpm, window_s=60.0, sub_window_tokens=True)
     admitted: list[tuple[float, int]] = []
     for gap, charge in arrivals:
         clock.advance(gap)
