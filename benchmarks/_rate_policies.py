@@ -224,8 +224,11 @@ async def run_harness(
     )
     try:
         outcome = await harness.run()
-    finally:
+    except BaseException:
         await harness.close()
+        raise
+    # As the trajectory actor does on completion: no close(), which would cancel the settlement the last
+    # turn just spawned (with an in-memory log nothing yields before it), leaking that grant's reservation.
     return outcome.record.state.value == "COMPLETED"
 
 
