@@ -448,6 +448,7 @@ def run(s: Settings) -> dict[str, Any]:
     available_at_start = live["available"][0]
     max_live = int((available_at_start - RESERVE_MB) / pss)
     return {
+        "runs": s.runs,
         "scheduler": sched,
         "actor_memory_mb": {
             "trajectory_rss": spread([m["rss"] for m in per_actor], 1),
