@@ -5,9 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: constraints setup demo test test-unit test-integration lint typecheck fmt bench bench-quick clean redis-check proto
+.PHONY: constraints setup demo test test-unit test-integration lint typecheck fmt bench bench-quick clean redis-check prometheus-check proto
 
-setup: $(STAMP) redis-check
+setup: $(STAMP) redis-check prometheus-check
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -28,6 +28,19 @@ redis-check:
 		systemctl disable --now redis-server >/dev/null 2>&1 || service redis-server stop >/dev/null 2>&1 || true; \
 	else \
 		echo "redis-server is required. Install it with: sudo apt-get install redis-server (or brew install redis)"; \
+		exit 1; \
+	fi
+
+# Prometheus and promtool (Debian package `prometheus`): the metrics tests start a real server with the shipped
+# scrape config and run promtool on the shipped rules. Installed when missing; its system service is not run.
+prometheus-check:
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "prometheus not found: installing it with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+		systemctl disable --now prometheus >/dev/null 2>&1 || service prometheus stop >/dev/null 2>&1 || true; \
+	else \
+		echo "prometheus (server and promtool) is required. Install it with: sudo apt-get install prometheus"; \
 		exit 1; \
 	fi
 

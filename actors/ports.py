@@ -70,6 +70,7 @@ class VerifiedControl:
     envelope: ControlEnvelope
     signers: tuple[str, ...]
     roles: frozenset[str]
+    signer_roles: Mapping[str, frozenset[str]] = field(default_factory=dict)  # each signer's own roles
 
 
 class ControlVerifier(Protocol):

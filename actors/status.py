@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from typing import Any
@@ -24,7 +25,15 @@ import redis.asyncio as aioredis
 from actors.ports import LiveEventSink
 from runtime.budget import Dimension
 from runtime.clock import Clock
-from runtime.events import Event, ModelCallSettled, StateChanged, ToolCallHeld
+from runtime.events import (
+    Event,
+    ModelCallSettled,
+    ObligationUpdated,
+    OperationSettled,
+    OperatorActed,
+    StateChanged,
+    ToolCallHeld,
+)
 from runtime.memstore import check_trajectory_id
 from runtime.record import TrajectoryRecord
 from runtime.states import TrajectoryState
@@ -41,7 +50,7 @@ STATUS_KEY_PREFIX = "tether:status:"
 _log = logging.getLogger(__name__)
 
 # Events that change what the snapshot shows; everything else is not worth a write.
-_SHOWN = (StateChanged, ToolCallHeld, ModelCallSettled)
+_SHOWN = (StateChanged, ToolCallHeld, ModelCallSettled, OperationSettled, ObligationUpdated, OperatorActed)
 
 
 def status_key(trajectory_id: str) -> str:
@@ -64,10 +73,51 @@ def summarize(record: TrajectoryRecord, hibernated: bool = False) -> dict[str, A
     }
 
 
+def owed(record: TrajectoryRecord) -> list[dict[str, Any]]:
+    """What the trajectory still owes the world (``tether obligations``): unknown operations and open or
+    handed-off obligations, each with its target, the evidence so far, its owner and since when."""
+    rows: list[dict[str, Any]] = []
+    for op in record.operations.values():
+        if op.settled or op.cleanup_of is not None:
+            continue
+        awaited = any(p.operation_id == op.operation_id for p in record.pending_calls.values())
+        rows.append(
+            {
+                "id": op.operation_id,
+                "kind": "operation",
+                "tool": op.tool,
+                "target": dict(op.arguments),
+                "state": "in flight" if awaited else "unknown",
+                "evidence": f"{op.attempts} attempt(s), outcome unknown",
+                "owner": op.owner or record.trajectory_id,
+                "since": op.dispatched_at,
+            }
+        )
+    for ob in record.obligations.values():
+        if ob.state.value in ("discharged", "committed"):
+            continue
+        rows.append(
+            {
+                "id": ob.obligation_id,
+                "kind": ob.duty,
+                "tool": ob.tool,
+                "target": dict(ob.arguments),
+                "state": ob.state.value,
+                "evidence": ob.evidence[-1] if ob.evidence else "",
+                "owner": ob.owner,
+                "since": ob.registered_at,
+            }
+        )
+    return rows
+
+
 def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> dict[str, str]:
     """The snapshot hash of ``record`` (all values strings; empty string for "none")."""
     held = record.held if record.state is TrajectoryState.AWAITING_APPROVAL else None
+    owes = owed(record)
     return {
+        "owed": json.dumps(owes, sort_keys=True, default=str) if owes else "",
+        "handoff": "1" if record.handoff is not None else "0",
         "state": record.state.value,
         "turns": str(record.turn_count),
         "rho": f"{record.rho:.4f}",
@@ -85,7 +135,7 @@ def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> 
 
 
 class StatusPublisher:
-    """Coalescing writer of one trajectory's snapshot and live events (a ``HarnessHooks.on_event`` sink)."""
+    """Coalescing writer of one trajectory's snapshot and live events (a ``TrajectoryHooks`` event sink)."""
 
     def __init__(
         self, client: aioredis.Redis, events: LiveEventSink, trajectory_id: str, clock: Clock

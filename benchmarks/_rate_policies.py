@@ -5,13 +5,12 @@ Every policy runs the same work: a trajectory of class ``c`` is a goal message o
 of 1-2 provider windows), then a final answer (the testbed scenario ``finish_after:<turns>``). A slot runs
 trajectories back to back until the run stops.
 
-- ``tether`` and ``static_split`` run the real trajectory code: ``runtime.harness.Harness`` (the class the
-  trajectory actor shells), in this process, with the real ``OpenAIModel`` adapter (SDK retries off), a local
-  tool port, an in-memory log, and the real scheduler (``InProcessScheduler`` over ``SchedulerCore``; the
-  actor is a thin shell around it, ``--ray`` uses it). ``tether`` shares one scheduler holding the whole
-  limit; ``static_split`` gives each job (one per class) its own scheduler holding that job's share.
-  **When the decider lands** (``runtime.decide`` + its interpreter in ``actors/``), :func:`run_harness` is the
-  one place to switch: build the interpreter over the same ports instead of ``Harness``.
+- ``tether`` and ``static_split`` run the real trajectory code: the decider (``runtime.decide``) through its
+  interpreter (``actors.interpreter.Interpreter``, what the trajectory actor shells), in this process, with
+  the real ``OpenAIModel`` adapter (SDK retries off), a local tool port, an in-memory log, and the real
+  scheduler (``InProcessScheduler`` over ``SchedulerCore``; the actor is a thin shell around it, ``--ray``
+  uses it). ``tether`` shares one scheduler holding the whole limit; ``static_split`` gives each job (one per
+  class) its own scheduler holding that job's share.
 - ``sdk_default`` and ``backoff`` are what a user writes without Tether: the ``openai`` SDK in an agent loop
   that builds the same chat messages. ``sdk_default`` keeps the SDK's own retries (2 retries, exponential
   backoff honouring ``Retry-After``); when the SDK gives up, the loop sends the turn again. ``backoff`` turns
@@ -37,13 +36,14 @@ from typing import Any
 import openai
 from pydantic import BaseModel, ConfigDict
 
+from actors.interpreter import Interpreter, InterpreterPorts
 from actors.model_openai import SCENARIO_HEADER, TRAJECTORY_HEADER
 from actors.tools_local import LOCAL_SCOPE, LocalTool, LocalToolPort
 from runtime.budget import PriceTable
 from runtime.clock import SystemClock
 from runtime.events import TrajectoryCreated
-from runtime.harness import Harness, HarnessConfig, HarnessPorts
 from runtime.memstore import MemoryLogStore
+from runtime.policy import TrajectoryPolicy
 from runtime.ports import (
     AdmissionPort,
     CancelToken,
@@ -58,7 +58,7 @@ from runtime.ports import (
 from runtime.record import CallLimits, CompletionCheck, Grants, TaskContract
 from runtime.tools import RepeatContract, SideEffect, ToolContract, ToolRegistry
 
-__all__ = ["ClassSpec", "Trace", "baseline_trajectory", "run_harness"]
+__all__ = ["ClassSpec", "Trace", "baseline_trajectory", "run_tether"]
 
 TOOL = "work"
 PRICES = PriceTable(3.0, 0.3, 15.0)
@@ -131,7 +131,7 @@ def goal_text(cls: ClassSpec, rng: random.Random) -> str:
     return "Task: " + " ".join(rng.choice(WORDS) for _ in range(cls.goal_words))
 
 
-# ----------------------------------------------------------------------------- Tether (real harness)
+# ----------------------------------------------------------------------------- Tether (decider + interpreter)
 
 
 class TracedAdmission:
@@ -177,7 +177,7 @@ class TracedModel:
         return reply
 
 
-async def run_harness(
+async def run_tether(
     trajectory_id: str,
     cls: ClassSpec,
     *,
@@ -189,25 +189,27 @@ async def run_harness(
     rng: random.Random,
     trace: Trace,
 ) -> bool:
-    """One trajectory through the real ``Harness`` at its default settings; True when it COMPLETED."""
+    """One trajectory through the real decider and interpreter at default settings; True when COMPLETED."""
     clock = SystemClock()
     tool = work_tool(cls, rng, window_s)
-    ports = HarnessPorts(
+    ports = InterpreterPorts(
         model=TracedModel(model, trace, cls.name),
         tools=LocalToolPort([tool]),
         log=MemoryLogStore(),
         admission=TracedAdmission(admission, trace),
         clock=clock,
     )
-    config = HarnessConfig(
+    policy = TrajectoryPolicy(
+        registry=ToolRegistry([tool.contract]),
         provider_key=provider_key,
         prices=PRICES,
         tool_timeout_s=3 * window_s + 60.0,  # the workload's tool timeout: longer than its longest build
         metadata={"scenario": f"finish_after:{cls.turns}"},
+        rng_seed=rng.randrange(2**32),
     )
-    harness = Harness(trajectory_id, ports, ToolRegistry([tool.contract]), config)
+    interpreter = Interpreter(trajectory_id, policy, ports)
     now = clock.wall()
-    await harness.create(
+    await interpreter.create(
         TrajectoryCreated(
             trajectory_id=trajectory_id,
             parent_id=None,
@@ -223,12 +225,12 @@ async def run_harness(
         )
     )
     try:
-        outcome = await harness.run()
+        outcome = await interpreter.run()
     except BaseException:
-        await harness.close()
+        await interpreter.close()
         raise
-    # As the trajectory actor does on completion: no close(), which would cancel the settlement the last
-    # turn just spawned (with an in-memory log nothing yields before it), leaking that grant's reservation.
+    # As the trajectory actor does on completion: no close(), which cancels effects still running (the
+    # last turn's settlement), leaving that grant's reservation to its lease expiry.
     return outcome.record.state.value == "COMPLETED"
 
 

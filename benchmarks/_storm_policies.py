@@ -6,12 +6,12 @@ model asks for ``search_packages`` each turn), then that tool call against the r
 the same caller timeout (``call_timeout_s``).
 
 - ``tether``: the real trajectory code, built the way the trajectory actor builds it (``actors.wiring``:
-  registry, creation event, harness config and ports from a ``TrajectoryLaunch``): ``runtime.harness.Harness``
-  with the real gRPC tool client, the single retry owner (``RetryOwnerPort``, the workload's default
-  ``RetryLaunch``: 3 attempts, full jitter) and one breaker + bulkhead per dependency scope shared by every
-  trajectory (``InProcessGuard`` at ``GuardPolicy()`` defaults: the logic the guard actor shells). No extra
-  steps: a call the breaker refuses goes back to the model as the harness reports it. **When the decider
-  lands**, :func:`run_tether` is the place to switch to its interpreter over the same ports.
+  registry, creation event and policy from a ``TrajectoryLaunch``): the decider (``runtime.decide``) through
+  its interpreter (``actors.interpreter.Interpreter``) with the real gRPC tool client, the decider's single
+  retry rule (the workload's default ``RetryLaunch``: 3 attempts, full jitter) and one breaker + bulkhead per
+  dependency scope shared by every trajectory (``InProcessGuard`` at ``GuardPolicy()`` defaults: the logic
+  the guard actor shells). No extra steps: a call the breaker refuses goes back to the model as the decider
+  reports it.
 - ``single_retry``: a competent client without Tether: one retry layer, 3 attempts with full-jitter
   exponential backoff (0.2 s base, 5 s cap), no breaker.
 - ``naive_layered``: client, gateway and agent each retry the layer below 3 times with a fixed 0.1 s backoff
@@ -37,13 +37,13 @@ from typing import Any
 
 import openai
 
+from actors.interpreter import Interpreter, InterpreterPorts
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch
-from actors.model_openai import SCENARIO_HEADER, TRAJECTORY_HEADER
+from actors.model_openai import SCENARIO_HEADER, TRAJECTORY_HEADER, OpenAIModel
 from actors.tools_grpc import GrpcToolPort
-from actors.wiring import build_config, build_created, build_ports, build_registry
+from actors.wiring import build_created, build_policy, build_registry
 from breakers import InProcessGuard
 from runtime.clock import SystemClock
-from runtime.harness import Harness
 from runtime.memstore import MemoryLogStore
 from runtime.ports import (
     GuardPermit,
@@ -157,18 +157,7 @@ class TestbedThread:
         self._thread.join(10)
 
 
-# ----------------------------------------------------------------------------- Tether (real harness)
-
-
-class _Logs:
-    """``LogStoreFactory`` for the wiring: an in-memory log (the log is not what this benchmark measures)."""
-
-    class _Closable(MemoryLogStore):
-        async def close(self) -> None:
-            return None
-
-    def open_log(self, redis_url: str) -> Any:
-        return self._Closable()
+# ----------------------------------------------------------------------------- Tether (decider + interpreter)
 
 
 class CountingTools:
@@ -224,7 +213,7 @@ async def run_tether(
     turns: int,
     call_timeout_s: float,
 ) -> None:
-    """One trajectory through the real harness, wired as the trajectory actor wires it."""
+    """One trajectory through the decider and its interpreter, wired as the trajectory actor wires it."""
     launch = TrajectoryLaunch(
         trajectory_id=trajectory_id,
         goal="Find the packages the task needs.",
@@ -245,15 +234,25 @@ async def run_tether(
     clock = SystemClock()
     registry = build_registry(launch)
     counting_guard = CountingGuard(guard, counters, trajectory_id)
-    built = build_ports(launch, clock, admission=AlwaysAdmit(clock=clock), logs=_Logs(), guard=counting_guard)
-    built.ports.tools = CountingTools(built.ports.tools, counters, trajectory_id)
-    harness = Harness(trajectory_id, built.ports, registry, build_config(launch))
+    model = OpenAIModel(base_url=provider_url, clock=clock)
+    tools = GrpcToolPort({TOOL: testbed_address}, clock=clock)
+    ports = InterpreterPorts(
+        model=model,
+        tools=CountingTools(tools, counters, trajectory_id),
+        log=MemoryLogStore(),  # the log is not what this benchmark measures
+        admission=AlwaysAdmit(clock=clock),
+        clock=clock,
+        guard=counting_guard,
+    )
+    interpreter = Interpreter(trajectory_id, build_policy(launch, registry), ports)
     try:
-        await harness.create(build_created(launch, registry))
-        await harness.run()
+        await interpreter.create(build_created(launch, registry))
+        await interpreter.run()
     finally:
         counters.finish(counting_guard.keys)
-        await built.close()
+        await interpreter.close()
+        await tools.close()
+        await model.aclose()
 
 
 # ----------------------------------------------------------------------------- baselines

@@ -5,13 +5,13 @@ that is also enforced per sub-window, where a 429 still costs its request and pr
 ``--provider-mode token_bucket`` for the Anthropic-like bucket) serves N concurrent trajectory slots. In
 every run each policy gets the same provider, freshly reset, one after the other:
 
-- ``tether``: the real trajectory code (``runtime.harness.Harness``) and the real scheduler at its default
-  settings, one scheduler for every trajectory (see :mod:`benchmarks._rate_policies`);
+- ``tether``: the real trajectory code (the decider through its interpreter) and the real scheduler at its
+  default settings, one scheduler for every trajectory (see :mod:`benchmarks._rate_policies`);
 - ``sdk_default``: the ``openai`` SDK with its own retries in a plain agent loop;
 - ``backoff``: per-trajectory full-jitter exponential backoff honouring ``Retry-After`` (the provider
   cookbook's recommendation), SDK retries off;
-- ``static_split``: Tether's harness and scheduler, but the limit split statically across three jobs (one
-  per class, each holding its share of the trajectories' share of the limit).
+- ``static_split``: Tether's trajectory code and scheduler, but the limit split statically across three jobs
+  (one per class, each holding its share of the trajectories' share of the limit).
 
 Trajectory slots are asyncio tasks in this process (200 Ray actors of ~150 MB do not fit beside the other work
 on this 2-core machine; ``benchmarks/node_capacity.py`` measures what actors cost); ``--ray`` admits through
@@ -55,7 +55,7 @@ from benchmarks._common import (
     spread,
     write_json,
 )
-from benchmarks._rate_policies import ClassSpec, Trace, baseline_trajectory, run_harness
+from benchmarks._rate_policies import ClassSpec, Trace, baseline_trajectory, run_tether
 from runtime.ports import AdmissionPort
 from scheduler import InProcessScheduler, ProviderLimits, SchedulerConfig
 from testbed.provider import LimiterMode, ProviderConfig, start_provider_subprocess
@@ -162,11 +162,11 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
     shared = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     closers.append(shared.close)
 
-    def harness_slot(port_of: Callable[[ClassSpec], AdmissionPort]) -> Slot:
+    def tether_slot(port_of: Callable[[ClassSpec], AdmissionPort]) -> Slot:
         model = OpenAIModel(base_url=base_url, client=shared)
 
         async def slot(tid: str, cls: ClassSpec, rng: random.Random) -> bool:
-            return await run_harness(
+            return await run_tether(
                 tid,
                 cls,
                 model=model,
@@ -190,14 +190,14 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
             scheduler = InProcessScheduler(config)
             closers.append(scheduler.aclose)
             port = scheduler
-        drive = harness_slot(lambda _cls: port)
+        drive = tether_slot(lambda _cls: port)
     elif policy == "static_split":
         per_job = {
             c.name: InProcessScheduler(SchedulerConfig(providers={key: limits_for(spec, c.share)}))
             for c in CLASSES
         }
         closers.extend(s.aclose for s in per_job.values())
-        drive = harness_slot(lambda cls: per_job[cls.name])
+        drive = tether_slot(lambda cls: per_job[cls.name])
     elif policy in ("sdk_default", "backoff"):
         client = (
             openai.AsyncOpenAI(base_url=base_url, api_key="unused")  # the SDK's defaults: 2 retries
@@ -403,7 +403,10 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
         "SchedulerHandle (Ray actor)" if spec.use_ray else "InProcessScheduler (same core)"
     )
     settings["headroom_used"] = limits_for(spec).headroom
-    settings["trajectory_code"] = "runtime.harness.Harness (tether, static_split); openai SDK loop (others)"
+    settings["trajectory_code"] = (
+        "runtime.decide through actors.interpreter.Interpreter (tether, static_split); "
+        "openai SDK loop (others)"
+    )
     return {
         "runs": spec.runs,
         "provider_mode": spec.provider_mode,

@@ -104,7 +104,12 @@ class KeyringVerifier:
         if not isinstance(message, ControlMessage):
             message = decode_message(envelope.data)
         verified = self._current().verify(message, now, seen)
-        return VerifiedControl(envelope, verified.signers, frozenset(r.value for r in verified.roles))
+        return VerifiedControl(
+            envelope,
+            verified.signers,
+            frozenset(r.value for r in verified.roles),
+            {name: frozenset(r.value for r in roles) for name, roles in verified.signer_roles.items()},
+        )
 
 
 # --------------------------------------------------------------------------- live events

@@ -80,6 +80,8 @@ class ControlAction(StrEnum):
     KILL = "kill"
     APPROVE = "approve"
     DENY = "deny"
+    SETTLE = "settle"
+    HANDOFF = "handoff"
 
 
 _DIGEST_ACTIONS = frozenset({ControlAction.APPROVE, ControlAction.DENY})

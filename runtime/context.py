@@ -21,6 +21,7 @@ from runtime.events import (
     Event,
     ObservationAppended,
     ObservationKind,
+    OperationSettled,
     ToolCallCancelled,
     ToolCallTimedOut,
     ToolResultAccepted,
@@ -61,6 +62,11 @@ def build_messages(events: Iterable[Event], system_prompt: str | None = None) ->
                 ev.call_id,
                 json.dumps({"status": "IN_DOUBT", "message": f"Cancelled ({ev.reason}); outcome unknown."}),
             )
+        elif isinstance(ev, OperationSettled) and ev.call_id is not None:
+            body: dict[str, Any] = {"status": ev.settlement.value.upper(), "recovered": ev.evidence}
+            if ev.settlement is Settlement.ESTABLISHED:
+                body["result"] = ev.result
+            answers[ev.call_id] = json.dumps(body, sort_keys=True, ensure_ascii=False, default=str)
         elif isinstance(ev, ObservationAppended) and ev.observation is ObservationKind.REFUSAL:
             assert ev.call_id is not None  # guaranteed by ObservationAppended's own validation
             answers[ev.call_id] = ev.content

@@ -1,9 +1,9 @@
-"""Harness events turned into operator metrics: ``MetricsHooks``, a ``HarnessHooks`` that records through an
-injected :class:`runtime.metrics.Metrics`.
+"""Trajectory events turned into operator metrics: ``MetricsHooks``, a ``TrajectoryHooks`` that records
+through an injected :class:`runtime.metrics.Metrics`.
 
-Everything here is read off the events the harness appends (and the record each one produced), so a signal is
-counted once, when the durable log says it happened. A restarted actor folds its log without calling hooks,
-so nothing is counted twice after a crash; what the old incarnation saw was already exported by it.
+Everything here is read off the events the interpreter appends (and the record each one produced), so a
+signal is counted once, when the durable log says it happened. A restarted actor folds its log without
+calling hooks, so nothing is counted twice after a crash; what the old incarnation saw was already exported.
 
 Mapping (reliability guide §12.5 "signals worth watching", plus the control plane):
 
@@ -28,7 +28,7 @@ trajectories by state          a per-process census moved on every state change 
 
 Duplicate effects are not measured here: "applied twice" is only visible to the system holding the effect,
 so the testbed's independent ledger counts them. A metric that cannot be recorded never fails the trajectory:
-``on_event`` runs inside the harness's append, so errors are logged and swallowed.
+``on_event`` runs inside the interpreter's append, so errors are logged and swallowed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from runtime.clock import Clock
 from runtime.events import (
@@ -56,7 +57,6 @@ from runtime.events import (
     ToolDispatchIntent,
     ToolResultAccepted,
 )
-from runtime.harness import HarnessHooks
 from runtime.metrics import Metrics, Outcome
 from runtime.ports import Settlement, StopReason
 from runtime.record import ControlAction, TrajectoryRecord
@@ -69,12 +69,22 @@ __all__ = [
     "HookChain",
     "MetricsHooks",
     "StateCensus",
+    "TrajectoryHooks",
     "outcome_of",
     "watchdog_guard",
 ]
 
 S = TrajectoryState
 _log = logging.getLogger(__name__)
+
+
+class TrajectoryHooks(Protocol):
+    """Extension points of a trajectory's interpreter, with no-op defaults: every durable event (with the
+    record it produced), and a kill (the sandbox teardown)."""
+
+    def on_event(self, record: TrajectoryRecord, event: Event) -> None: ...
+
+    async def on_kill(self, record: TrajectoryRecord) -> None: ...
 
 
 class EscalationTrigger(StrEnum):
@@ -139,7 +149,7 @@ class StateCensus:
     """How many unfinished trajectories this process holds in each state, moved by state changes.
 
     Terminal states are not held: a finished trajectory leaves the census (``tether_trajectories_finished``
-    counts it). Thread-safe, because several harnesses of one process may share it.
+    counts it). Thread-safe, because several trajectories of one process may share it.
     """
 
     def __init__(self) -> None:
@@ -172,9 +182,9 @@ class _Track:
 
 
 class MetricsHooks:
-    """``HarnessHooks`` recording §12.5 signals through ``metrics``; ``clock`` times control latency.
+    """``TrajectoryHooks`` recording §12.5 signals through ``metrics``; ``clock`` times control latency.
 
-    One instance may serve several harnesses in a process (state is kept per trajectory id), and instances
+    One instance may serve several trajectories in a process (state is kept per trajectory id), and instances
     given the same ``census`` share the trajectories-by-state counts.
     """
 
@@ -287,9 +297,9 @@ def _rejection_guard(event: ObservationAppended) -> str | None:
 
 
 class HookChain:
-    """Several ``HarnessHooks`` as one, called in order (e.g. the status view, then metrics)."""
+    """Several ``TrajectoryHooks`` as one, called in order (e.g. the status view, then metrics)."""
 
-    def __init__(self, *hooks: HarnessHooks) -> None:
+    def __init__(self, *hooks: TrajectoryHooks) -> None:
         self.hooks = hooks
 
     def on_event(self, record: TrajectoryRecord, event: Event) -> None:

@@ -132,7 +132,7 @@ async def test_a_hung_call_is_settled_absent_by_probe_and_the_retry_creates_exac
         # When a probe (repeated while the endpoint still holds the call) settles it
         settlement = Settlement.UNKNOWN
         for _ in range(200):
-            settlement = await port.probe("provision_env", "ek-env-2", time.time() + 2)
+            settlement = (await port.probe("provision_env", "ek-env-2", time.time() + 2)).settlement
             if settlement is not Settlement.UNKNOWN:
                 break
             await asyncio.sleep(0.02)

@@ -113,7 +113,12 @@ async def test_small_workload_ends_in_expected_states_with_the_specified_report(
     keys = {"id", "state", "exit_reason", "turns", "tokens", "dollars", "binding_dimension"}
     assert all(set(t) == keys for t in report["trajectories"])
     assert {t["id"] for t in report["trajectories"]} == {f"itest.{n}" for n in by_name}
-    assert report["provider"] == {"requests": sum(r.turns for r in result.results), "rate_limited": 0}
+    provider = report["provider"]
+    assert (provider["requests"], provider["rate_limited"]) == (sum(r.turns for r in result.results), 0)
+    assert provider["simulated"] == {"requests": provider["requests"], "rate_limited": 0}
+    # And the scheduler's view of the same key sits beside it: every call admitted, none rate limited
+    (lane,) = provider["scheduler"].values()
+    assert (lane["granted"], lane["rate_limited"]) == (provider["requests"], 0)
     assert report["summary"]["tokens"] == sum(r.tokens for r in result.results) > 0
     # And the timeline picture is written beside the report
     png = write_timeline_png(result, tmp_path / "report.png", "small")
