@@ -21,12 +21,15 @@ Rules common to both modes:
   work"). A client that hammers a saturated key keeps it saturated.
 - **Too large.** A request whose charge alone exceeds the TPM limit is reported ``too_large`` (the server
   answers 400; a 429 would invite retries forever). It costs nothing.
-- **Truthful headers.** ``remaining_*`` is the largest single charge (requests: count) the limiter would
-  admit *now*; ``reset_*`` is the time until that dimension is back at its initial state (nothing in the
-  window / bucket full), OpenAI's meaning of ``x-ratelimit-reset-*``. A 429's ``retry_after_s`` is the exact
-  time after which *the same* request would be admitted if nothing else arrived (its own rejected charge
-  included); the server rounds it up into ``Retry-After`` and ``retry-after-ms``. Corrections only lower
-  charges, so every value stays an upper bound while requests in flight finish.
+- **Truthful headers.** ``limit_*`` is the per-window limit; ``remaining_*`` what is left of it now (the
+  sliding window's count, or the bucket's level), as real providers report it, so a client or scheduler
+  learning limits from headers reads what it would read from them; ``reset_*`` is the time until that
+  dimension is back at its initial state (nothing in the window / bucket full), OpenAI's meaning of
+  ``x-ratelimit-reset-*``. The sliding window's sub-window does not show in ``remaining`` (OpenAI warns that
+  bursts may be refused although the minute has room). A 429's ``retry_after_s`` is the exact time after
+  which *the same* request would be admitted if nothing else arrived, sub-window and its own rejected
+  charge included; the server rounds it up into ``Retry-After`` and ``retry-after-ms``. Corrections only
+  lower charges, so every value stays on the safe side while requests in flight finish.
 """
 
 from __future__ import annotations

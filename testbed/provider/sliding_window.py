@@ -110,13 +110,6 @@ class _Horizon:
     def remaining_requests(self) -> int | None:
         return None if self.rpm is None else max(0, self.rpm - self.requests)
 
-    def remaining_tokens(self, minute_remaining: int | None) -> int | None:
-        if self.tpm is None:
-            return None
-        if self.alone_fits and self.tokens == 0:
-            return minute_remaining  # alone, any charge the minute allows goes
-        return max(0, self.tpm - self.tokens)
-
 
 def _scaled(limit: int | None, fraction: float) -> int | None:
     return None if limit is None else max(1, math.ceil(limit * fraction))
@@ -243,22 +236,15 @@ class SlidingWindowLimiter:
         return LimitDimension.TOKENS, wait_tokens
 
     def _snapshot(self, now: float) -> LimitSnapshot:
+        # The window's counts, as OpenAI reports them: the sub-window does not show in ``remaining`` (a burst
+        # may be refused while it is positive, as OpenAI warns); a refusal's Retry-After covers it exactly.
         minute = self._minute
-        remaining_requests = minute.remaining_requests()
-        remaining_tokens = None if self.tpm is None else max(0, self.tpm - minute.tokens)
-        if self._short is not None:
-            short_requests = self._short.remaining_requests()
-            if remaining_requests is not None and short_requests is not None:
-                remaining_requests = min(remaining_requests, short_requests)
-            short_tokens = self._short.remaining_tokens(remaining_tokens)
-            if remaining_tokens is not None and short_tokens is not None:
-                remaining_tokens = min(remaining_tokens, short_tokens)
         newest = minute.entries[-1].at + self._window - now if minute.entries else 0.0
         return LimitSnapshot(
             limit_requests=self.rpm,
             limit_tokens=self.tpm,
-            remaining_requests=remaining_requests,
-            remaining_tokens=remaining_tokens,
+            remaining_requests=minute.remaining_requests(),
+            remaining_tokens=None if self.tpm is None else max(0, self.tpm - minute.tokens),
             reset_requests_s=max(0.0, newest),
             reset_tokens_s=minute.empty_of_tokens_in(now),
         )
