@@ -333,6 +333,15 @@ class SearchArgs(_Args):
     limit: int = Field(default=10, ge=1, le=100)
 
 
+class WriteNoteArgs(_Args):
+    title: str = Field(min_length=1, max_length=200)
+    body: str = Field(min_length=1, max_length=8000)
+
+
+class NoteArgs(_Args):
+    note_id: str = Field(min_length=1, max_length=80)
+
+
 def testbed_contracts() -> list[ToolContract]:
     """How the harness dispatches each testbed tool (the services' scopes are their breaker scopes)."""
     return [
@@ -392,5 +401,37 @@ def testbed_contracts() -> list[ToolContract]:
             repeat=RepeatContract.IDEMPOTENT,
             dependency_scope="package-search",
             target_keys=("query",),
+        ),
+        ToolContract(
+            name="write_note",
+            description="Store a note (an artifact others may read); its id is its content's address.",
+            arguments=WriteNoteArgs,
+            side_effect=SideEffect.REVERSIBLE,
+            repeat=RepeatContract.IDEMPOTENT,  # content-addressed: writing the same note again is harmless
+            dependency_scope="notes",
+            # deleted only when the service's reply says so (the postcondition is the evidence)
+            compensation=Compensation(
+                "delete_note", from_result={"note_id": "note_id"}, postcondition={"deleted": True}
+            ),
+            target_keys=("title",),
+        ),
+        ToolContract(
+            name="read_note",
+            description="Read a note by id (read-only).",
+            arguments=NoteArgs,
+            side_effect=SideEffect.READ_ONLY,
+            repeat=RepeatContract.IDEMPOTENT,
+            dependency_scope="notes",
+            target_keys=("note_id",),
+        ),
+        ToolContract(
+            name="delete_note",
+            description="Delete a note (idempotent).",
+            arguments=NoteArgs,
+            side_effect=SideEffect.IRREVERSIBLE,
+            repeat=RepeatContract.IDEMPOTENT,
+            needs_approval=False,  # undoing one's own artifact needs nobody's permission
+            dependency_scope="notes",
+            target_keys=("note_id",),
         ),
     ]

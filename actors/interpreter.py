@@ -22,17 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from runtime.clock import Clock
 from runtime.codec import decode, encode
 from runtime.decider import Decision, decide, evolve
+from runtime.delegation import ChildEvidence, DelegationContract
 from runtime.dispatch import NoGuard
 from runtime.effects import (
     AcquirePermit,
     CallModel,
+    CancelChild,
     CancelModelStream,
     CancelTimer,
     CancelToolCall,
@@ -40,12 +42,15 @@ from runtime.effects import (
     Effect,
     Hibernate,
     KillProcesses,
+    OpenIncident,
     ProbeTool,
+    PublishEscalation,
     ReleaseLease,
     ReleasePermit,
     ReportLimits,
     RequestAdmission,
     SettleAdmission,
+    SpawnChild,
     StartTimer,
 )
 from runtime.errors import (
@@ -61,6 +66,7 @@ from runtime.fold import fold
 from runtime.inputs import (
     AdmissionDenied,
     AdmissionGranted,
+    ChildFinished,
     ControlReceived,
     ControlRefused,
     Input,
@@ -95,7 +101,16 @@ from runtime.ports import (
 from runtime.record import Lease, Timer, TrajectoryRecord
 from runtime.states import TrajectoryState
 
-__all__ = ["Hooks", "Interpreter", "InterpreterPorts", "LeasePort", "RunOutcome", "TimerPort"]
+__all__ = [
+    "ChildrenPort",
+    "Hooks",
+    "Interpreter",
+    "InterpreterPorts",
+    "LeasePort",
+    "RunOutcome",
+    "SupervisionPort",
+    "TimerPort",
+]
 
 _log = logging.getLogger(__name__)
 _WAITING = frozenset({TrajectoryState.PAUSED, TrajectoryState.AWAITING_APPROVAL})
@@ -131,6 +146,22 @@ class TimerPort(Protocol):
     async def cancel(self, trajectory_id: str, timer_id: str) -> None: ...
 
 
+class SupervisionPort(Protocol):
+    """Where escalations and self-opened incidents are published (``actors.ports.SupervisionStore``)."""
+
+    async def publish_escalation(self, escalation: Mapping[str, Any]) -> None: ...
+
+    async def open_incident(self, incident: Mapping[str, Any], artifacts: Sequence[str]) -> None: ...
+
+
+class ChildrenPort(Protocol):
+    """Child trajectories (``actors.children.RayChildren``): start one and wait for its evidence; cascade."""
+
+    async def run_child(self, contract: DelegationContract) -> ChildEvidence: ...
+
+    async def cancel_child(self, child_id: str, kill: bool, reason: str) -> None: ...
+
+
 @dataclass
 class InterpreterPorts:
     """Everything outside the pure core the interpreter talks to."""
@@ -143,6 +174,9 @@ class InterpreterPorts:
     guard: GuardPort = field(default_factory=NoGuard)
     timers: TimerPort | None = None  # None: durable timers live only as long as this process
     leases: LeasePort | None = None  # None: leases are records only
+    # issue 12: None when the runtime has no registry (escalations stay in the log) / no delegation
+    supervision: SupervisionPort | None = None
+    children: ChildrenPort | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +415,11 @@ class Interpreter:
             return await self._dispatch(effect)
         if isinstance(effect, ProbeTool):
             return await self._probe(effect)
+        if isinstance(effect, SpawnChild):
+            return await self._run_child(effect)
+        if isinstance(effect, PublishEscalation | OpenIncident | CancelChild):
+            await self._supervise(effect)
+            return None
         if isinstance(effect, SettleAdmission):
             settle = self.ports.admission.settle_turn(effect.grant_id, effect.actual_tokens)
             await self._quietly(settle, effect)
@@ -508,6 +547,69 @@ class Interpreter:
         except Exception as e:  # any failure to get an answer leaves the outcome unknown, never guessed
             result = ProbeResult(Settlement.UNKNOWN, None, f"probe failed: {type(e).__name__}: {e}")
         return ProbeAnswered(effect.operation_id, result, effect.request_id)
+
+    async def _run_child(self, effect: SpawnChild) -> Input:
+        """Start (or find) a child trajectory and wait for it; its evidence is the next input."""
+        contract = effect.contract
+        port = self.ports.children
+        if port is None:
+            claim = "this runtime cannot delegate: no child trajectory was started"
+            return ChildFinished(contract.child_id, ChildEvidence("FAILED", None, None, claim=claim))
+        delay = 0.5
+        for attempt in range(8):
+            try:
+                return ChildFinished(contract.child_id, await port.run_child(contract))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                _log.warning("%s: following child %s failed (%s)", self.trajectory_id, contract.child_id, e)
+                if attempt < 7:
+                    await self.ports.clock.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+        # unknown what the child did: failed, and charged its whole allocation (it may have spent it all)
+        claim = "the child could not be followed to its end; charged its whole allocation"
+        evidence = ChildEvidence("UNKNOWN", None, None, spend=dict(contract.allocation), claim=claim)
+        return ChildFinished(contract.child_id, evidence)
+
+    async def _supervise(self, effect: PublishEscalation | OpenIncident | CancelChild) -> None:
+        """Publish to the registries, or cascade to a child: retried a few times, never fatal (the log
+        holds the decision; the registries are views, and a child past its deadline ends by itself)."""
+        delay = 0.2
+        for attempt in range(5):
+            try:
+                if isinstance(effect, CancelChild):
+                    if self.ports.children is not None:
+                        await self.ports.children.cancel_child(effect.child_id, effect.kill, effect.reason)
+                    return
+                store = self.ports.supervision
+                if store is None:
+                    return
+                if isinstance(effect, PublishEscalation):
+                    await store.publish_escalation(effect.escalation.as_json())
+                else:
+                    doc = {
+                        "incident_id": effect.incident_id,
+                        "opened_at": self.ports.clock.wall(),
+                        "opened_by": f"policy:{effect.trajectory_id}",
+                        "owner": "operator",
+                        "status": "open",
+                        "symptom": effect.symptom,
+                        "suspected_cause": effect.suspected_cause,
+                        "evidence": dict(effect.evidence),
+                        "members": {effect.trajectory_id: dict(effect.member)},
+                        "selector": {"trajectories": [effect.trajectory_id]},
+                        "capture_omissions": [],
+                    }
+                    await store.open_incident(doc, effect.artifacts)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                _log.warning(
+                    "%s: %s failed (attempt %d): %s", self.trajectory_id, type(effect).__name__, attempt, e
+                )
+                await self.ports.clock.sleep(delay)
+                delay *= 2
 
     async def _kill(self, effect: KillProcesses) -> None:
         try:

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from actors.contracts import DeclaredContract
+from actors.supervision_config import SupervisionSpec
 from actors.tools_mcp.config import McpRoute, McpServerConfig
 from runtime.budget import PriceTable
 from runtime.errors import CodecError, DependencyError
@@ -135,6 +136,11 @@ class TrajectoryLaunch(_Frozen):
     # empty: such a call is refused. See actors.tools_local.SandboxCommand.
     sandbox_default_argv: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     resources: dict[str, Positive] | None = None  # None: {"tether_trajectory": 1} where defined
+    # issue 12: supervision (the watchdog ladder, projection, disclosure, escalations, degradation,
+    # delegation) and, for a child trajectory, its parent and depth
+    supervision: SupervisionSpec | None = None
+    parent_id: str | None = None
+    depth: int = Field(0, ge=0)
 
     @field_validator("trajectory_id")
     @classmethod

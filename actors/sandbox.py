@@ -1,49 +1,71 @@
-"""A local process sandbox: one workspace directory per trajectory, every process in its own process
-group with resource limits, network cut off on request, torn down as a group on kill or timeout.
+"""A local process sandbox: one workspace directory per trajectory; every command in its own PID (and, unless
+the tool needs it, network) namespace with a read-only root and resource limits; nothing it starts
+outlives it.
 
-- Each ``run`` starts its command with ``start_new_session=True`` (a new session, so a new process
-  group whose id is the leader's pid) and applies ``setrlimit`` in the child before ``exec``: CPU
-  seconds, address space, open files, no core dumps.
-- ``network=False`` (the default) runs the command under ``unshare -n`` (a fresh network namespace
-  with only a downed loopback). Whether that works is probed once per process; when it does not,
-  the sandbox logs a warning, records it in ``warnings`` and marks ``SandboxResult.network_isolated``
-  False (or raises ``NetworkIsolationUnavailable`` when ``require_network_isolation`` is set).
-- Teardown sends SIGTERM to the whole group, then SIGKILL after ``term_grace_s``, and waits until
-  ``os.killpg(pgid, 0)`` says the group is gone. The hosting process makes itself a *child
-  subreaper* (Linux ``PR_SET_CHILD_SUBREAPER``) so that grandchildren orphaned by the teardown are
-  reparented to it and reaped here; otherwise their zombies would keep the group alive wherever
-  PID 1 does not reap (as in many containers).
-- ``kill_all`` is the trajectory kill (issue 4): every live group is torn down, the sandbox refuses
-  further runs, and the teardown time is returned.
+- Isolation (``actors.sandbox_isolation``): under bubblewrap each command runs in a fresh PID namespace
+  with the host's root read-only and only the workspace writable (it is also ``HOME`` and ``TMPDIR``),
+  no network unless asked, and ``--die-with-parent``. When the namespace's PID 1 dies the kernel kills
+  every process in it, so ``setsid``, double forks, ``nohup`` and daemons die with the command: at its
+  exit, its timeout, a kill, or the death of the process hosting the sandbox (an actor SIGKILLed). ``unshare``
+  is the fallback (same namespaces, root writable); with neither, a plain process group is used, which
+  a command can leave with ``setsid``: warned about, recorded on every result (``isolated=False``), and
+  refused when ``require_isolation`` is set (``require_network_isolation`` refuses a run that asks for
+  no network when the network cannot be cut).
+- Each command is started in a new session (its wrapper's process group, whose id is the wrapper's
+  pid) with ``setrlimit`` applied before ``exec`` and inherited by everything inside: CPU seconds,
+  address space, open files, no core dumps.
+- Teardown: SIGTERM to the command's processes (every process of the namespace but its PID 1), SIGKILL
+  to the namespace's PID 1 and the wrapper's group after ``term_grace_s``, then wait until no process of
+  the namespace or the group is left. The hosting process is a *child subreaper* (Linux
+  ``PR_SET_CHILD_SUBREAPER``) so orphans reparented to it are reaped here.
+- ``kill_all`` is the trajectory kill (issue 4): every live command is torn down, the sandbox refuses
+  further runs, and the teardown time is returned. ``teardown`` also removes the workspace.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import re
 import resource
 import shutil
 import signal
-import subprocess
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.sandbox_isolation import (
+    Isolation,
+    IsolationKind,
+    Namespace,
+    child_in_new_namespace,
+    command_prefix,
+    exit_status,
+    namespace_members,
+    namespace_of,
+    probe_isolation,
+    reap,
+    signal_namespace,
+)
 from runtime.clock import Clock, SystemClock
 from runtime.errors import InputError, PolicyRefusal
 
 __all__ = [
-    "NetworkIsolation",
+    "Isolation",
+    "IsolationKind",
+    "IsolationUnavailable",
     "NetworkIsolationUnavailable",
     "ResourceLimits",
     "Sandbox",
     "SandboxClosed",
     "SandboxResult",
-    "probe_network_isolation",
+    "probe_isolation",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,14 +74,19 @@ _TRAJECTORY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.005  # how often teardown re-checks a dying group
 _GONE_WITHIN_S = 5.0  # how long SIGKILL may take before the group counts as stuck
+RUN_ENV = "TETHER_SANDBOX_RUN"  # one id per command, in the environment of everything it starts
 
 
 class SandboxClosed(PolicyRefusal):
     """The sandbox was killed (trajectory kill) and runs nothing more."""
 
 
-class NetworkIsolationUnavailable(PolicyRefusal):
-    """Network isolation was required but ``unshare -n`` does not work on this host."""
+class IsolationUnavailable(PolicyRefusal):
+    """Namespace isolation was required but neither bubblewrap nor unshare works on this host."""
+
+
+class NetworkIsolationUnavailable(IsolationUnavailable):
+    """Network isolation was required but cannot be had on this host."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,34 +132,7 @@ class SandboxResult:
     killed: bool
     network_isolated: bool
     truncated: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class NetworkIsolation:
-    """Result of the one-time probe: the command prefix that cuts the network, or why there is none."""
-
-    available: bool
-    prefix: tuple[str, ...]
-    reason: str
-
-
-@functools.cache
-def probe_network_isolation() -> NetworkIsolation:
-    """Try ``unshare -n`` (root or CAP_SYS_ADMIN), then ``unshare -rn`` (user namespaces). Cached."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return NetworkIsolation(False, (), "unshare(1) is not installed")
-    failures: list[str] = []
-    for prefix in ((unshare, "-n"), (unshare, "-r", "-n")):
-        try:
-            done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            failures.append(f"{' '.join(prefix)}: {e}")
-            continue
-        if done.returncode == 0:
-            return NetworkIsolation(True, prefix, f"{' '.join(prefix)} works")
-        failures.append(f"{' '.join(prefix)}: {done.stderr.decode(errors='replace').strip()}")
-    return NetworkIsolation(False, (), "; ".join(failures))
+    isolated: bool = False  # in a PID namespace of its own: nothing the command started outlived it
 
 
 @functools.cache
@@ -150,7 +150,10 @@ def _become_subreaper() -> str | None:
 @dataclass(eq=False)
 class _Running:
     proc: asyncio.subprocess.Process
-    pgid: int
+    pgid: int  # the wrapper's (or, without isolation, the command's) process group
+    isolation: Isolation
+    run_id: str  # in the environment of the wrapper and everything it starts (RUN_ENV)
+    ns: Namespace | None = None  # the command's PID namespace, once known
     killed: bool = False
 
 
@@ -164,6 +167,7 @@ class Sandbox:
     term_grace_s: float = 0.5
     max_output_bytes: int = 1 << 20
     require_network_isolation: bool = False
+    require_isolation: bool = False
     clock: Clock = field(default_factory=SystemClock)
     warnings: list[str] = field(default_factory=list, init=False)
     _running: dict[int, _Running] = field(default_factory=dict, init=False, repr=False)
@@ -195,20 +199,27 @@ class Sandbox:
         tmp.replace(self._groups_file)
 
     def _reap_orphans(self) -> tuple[int, ...]:
-        """Kill the process groups a previous sandbox of this trajectory recorded and never tore down.
-        Only a group with a member still working inside this workspace is killed (pids are reused)."""
+        """Kill what a previous sandbox of this trajectory left running: the process groups it recorded
+        (only a group with a member still working inside this workspace: pids are reused), and any sandbox
+        process whose environment names this workspace (a namespace that outlived its wrapper)."""
         try:
             recorded = [int(line) for line in self._groups_file.read_text().split()]
         except (FileNotFoundError, ValueError):
-            return ()
+            recorded = []
         reaped = []
         for pgid in recorded:
             if not _group_gone(pgid) and _group_works_in(pgid, self.workspace):
                 _signal_group(pgid, signal.SIGKILL)
                 reaped.append(pgid)
         self._groups_file.unlink(missing_ok=True)
-        if reaped:
-            self._warn(f"killed process groups left by a previous sandbox of this trajectory: {reaped}")
+        strays = _sandbox_processes_of(self.workspace)
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if reaped or strays:
+            self._warn(
+                f"killed what a previous sandbox of this trajectory left: groups {reaped}, processes {strays}"
+            )
         return tuple(reaped)
 
     @property
@@ -237,28 +248,55 @@ class Sandbox:
         network: bool = False,
         env: Mapping[str, str] | None = None,
     ) -> SandboxResult:
-        """Run ``cmd`` in the workspace; tear its process group down on exit, timeout or kill."""
+        """Run ``cmd`` in the workspace; tear down everything it started on exit, timeout or kill, and when
+        this call is cancelled (the command is then killed before the cancellation propagates)."""
         if self._closed:
             raise SandboxClosed(f"sandbox of {self.trajectory_id!r} was killed; it runs nothing more")
         if not cmd or not all(isinstance(part, str) and part for part in cmd):
             raise InputError("must be a non-empty list of non-empty strings", where="Sandbox.run.cmd")
         if not timeout > 0:
             raise InputError(f"must be > 0 seconds, not {timeout}", where="Sandbox.run.timeout")
-        prefix, isolated = self._network_prefix(network)
-        proc = await asyncio.create_subprocess_exec(
-            *prefix,
-            *cmd,
-            cwd=self.workspace,
-            env=self._environment(env),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # own session => own process group, pgid == pid
-            preexec_fn=self.limits.preexec(),
-        )
-        running = _Running(proc, pgid=proc.pid)
+        isolation = self._isolation(network)
+        run_id = uuid.uuid4().hex
+        info_r, info_w = os.pipe() if isolation.kind is IsolationKind.BWRAP else (-1, -1)
+        cancelled = False
+        try:
+            prefix = command_prefix(
+                isolation, self.workspace, network=network, info_fd=info_w if info_w >= 0 else None
+            )
+            spawn = asyncio.ensure_future(
+                asyncio.create_subprocess_exec(
+                    *prefix,
+                    *cmd,
+                    cwd=self.workspace,
+                    env={**self._environment(env), RUN_ENV: run_id},
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,  # own session => own process group, pgid == pid
+                    preexec_fn=self.limits.preexec(),
+                    pass_fds=(info_w,) if info_w >= 0 else (),
+                )
+            )
+            try:
+                proc = await asyncio.shield(spawn)
+            except asyncio.CancelledError:
+                # Cancelled while starting: let the start finish, then tear it down like any other run
+                # (asyncio's own clean-up would kill only the wrapper, and wait on pipes a survivor holds).
+                cancelled = True
+                proc = await spawn
+        except BaseException:
+            for fd in (info_r, info_w):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        if info_w >= 0:
+            os.close(info_w)  # the wrapper holds its own copy; EOF comes when it is done with it
+        running = _Running(proc, pgid=proc.pid, isolation=isolation, run_id=run_id)
         self._running[running.pgid] = running
         self._save_groups()
+        # A kill that came while the process was being started did not see it: it is torn down below.
+        running.killed = self._closed or cancelled
         assert proc.stdout is not None and proc.stderr is not None
         readers = (
             asyncio.create_task(_read_capped(proc.stdout, self.max_output_bytes)),
@@ -266,30 +304,42 @@ class Sandbox:
         )
         timed_out = False
         try:
-            try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
-            except TimeoutError:
-                timed_out = True
-            # Whether the leader exited, timed out or was killed: nothing it started outlives the call.
+            running.ns = await self._namespace(running, info_r)
+            if not running.killed:
+                try:
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+                except TimeoutError:
+                    timed_out = True
+            # Whether the command exited, timed out or was killed: nothing it started outlives the call.
             await self._teardown(running)
+            if cancelled:
+                raise asyncio.CancelledError
+        except asyncio.CancelledError:
+            # The caller gave up on the command (its deadline, a cancel): it goes, with everything it started.
+            running.killed = True
+            await asyncio.shield(self._teardown(running))
+            for reader in readers:
+                reader.cancel()
+            raise
         finally:
             self._running.pop(running.pgid, None)
             self._save_groups()
         (out, out_cut), (err, err_cut) = await asyncio.gather(*readers)
         return SandboxResult(
-            exit_code=proc.returncode,
+            exit_code=exit_status(proc.returncode, isolation),
             stdout=out.decode(errors="replace"),
             stderr=err.decode(errors="replace"),
             timed_out=timed_out and not running.killed,
             killed=running.killed,
-            network_isolated=isolated,
+            network_isolated=isolation.pid_namespace and not network,
             truncated=out_cut or err_cut,
+            isolated=isolation.pid_namespace,
         )
 
     async def kill_all(self) -> float:
-        """Trajectory kill: tear down every live process group, refuse further runs.
+        """Trajectory kill: tear down every live command with everything it started, refuse further runs.
 
-        Returns the seconds from the call until every group was gone (``os.killpg(pgid, 0)`` raises).
+        Returns the seconds from the call until every namespace and process group was gone.
         """
         started = self.clock.now()
         self._closed = True
@@ -299,6 +349,14 @@ class Sandbox:
         await asyncio.gather(*(self._teardown(r) for r in targets))
         return self.clock.now() - started
 
+    async def teardown(self) -> float:
+        """End of the trajectory: ``kill_all``, then remove the workspace and the sandbox's bookkeeping."""
+        took = await self.kill_all()
+        # Every process is gone (kill_all waited for it); runs still finishing only collect their output.
+        shutil.rmtree(self.workspace, ignore_errors=True)
+        self._groups_file.unlink(missing_ok=True)
+        return took
+
     def remove_workspace(self) -> None:
         """Delete the workspace directory (only once nothing runs in it)."""
         if self._running:
@@ -307,22 +365,46 @@ class Sandbox:
 
     # ------------------------------------------------------------------ internals
 
-    def _network_prefix(self, network: bool) -> tuple[tuple[str, ...], bool]:
-        if network:
-            return (), False
-        probe = probe_network_isolation()
-        if probe.available:
-            return probe.prefix, True
-        if self.require_network_isolation:
-            raise NetworkIsolationUnavailable(f"cannot cut the network: {probe.reason}")
-        self._warn(f"network isolation unavailable, command runs WITH network: {probe.reason}")
-        return (), False
+    def _isolation(self, network: bool) -> Isolation:
+        isolation = probe_isolation()
+        if isolation.pid_namespace:
+            return isolation
+        if self.require_isolation:
+            raise IsolationUnavailable(
+                f"cannot run the command in a namespace of its own: {isolation.reason}"
+            )
+        if not network and self.require_network_isolation:
+            raise NetworkIsolationUnavailable(f"cannot cut the network: {isolation.reason}")
+        self._warn(
+            "namespace isolation unavailable: commands run as a plain process group, WITH network, "
+            f"and can escape it with setsid ({isolation.reason})"
+        )
+        if not network:
+            self._warn(f"network isolation unavailable, command runs WITH network: {isolation.reason}")
+        return isolation
+
+    async def _namespace(self, running: _Running, info_r: int) -> Namespace | None:
+        """The command's PID namespace: from bwrap's info fd, or the wrapper's child for unshare."""
+        if running.isolation.kind is IsolationKind.BWRAP:
+            info = await _read_info(info_r, running.proc)
+            pid = info.get("child-pid") if info else None
+            link = namespace_of(pid) if isinstance(pid, int) else None
+            return Namespace(pid, link) if isinstance(pid, int) and link is not None else None
+        if running.isolation.kind is IsolationKind.UNSHARE:
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 2.0
+            while running.proc.returncode is None and loop.time() < give_up:
+                if (ns := child_in_new_namespace(running.pgid)) is not None:
+                    return ns
+                await asyncio.sleep(_POLL_S)
+        return None
 
     def _environment(self, extra: Mapping[str, str] | None) -> dict[str, str]:
         # A small, explicit environment: nothing from the host process leaks in by accident.
         env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "HOME": str(self.workspace),
+            "TMPDIR": str(self.workspace),  # the only writable place under isolation
             "LANG": "C.UTF-8",
             "TETHER_TRAJECTORY_ID": self.trajectory_id,
         }
@@ -330,15 +412,26 @@ class Sandbox:
         return env
 
     async def _teardown(self, running: _Running) -> None:
-        """SIGTERM the group, SIGKILL it after the grace period, and wait until it is gone."""
-        pgid = running.pgid
-        if not _signal_group(pgid, signal.SIGTERM):
+        """SIGTERM the command's processes, SIGKILL the namespace and the group after the grace period,
+        and wait until nothing of either is left."""
+        ns = running.ns
+        if ns is not None:
+            # bwrap's PID 1 is its own small init: spared, so the command can exit on SIGTERM (unshare's
+            # PID 1 is the command itself)
+            spare_init = running.isolation.kind is IsolationKind.BWRAP
+            alive = signal_namespace(ns, signal.SIGTERM, spare_init=spare_init)
+            alive = _group_alive(running.pgid) or alive
+        else:
+            alive = _signal_group(running.pgid, signal.SIGTERM)
+        if not alive or await self._wait_gone(running, self.term_grace_s):
             return
-        if await self._wait_gone(running, self.term_grace_s):
-            return
-        _signal_group(pgid, signal.SIGKILL)
+        if ns is not None:
+            # the namespace's PID 1 dies, and the kernel kills every other process of the namespace
+            signal_namespace(ns, signal.SIGKILL, spare_init=False)
+        _signal_group(running.pgid, signal.SIGKILL)
+        _kill_survivors(running.run_id)
         if not await self._wait_gone(running, _GONE_WITHIN_S):
-            self._warn(f"process group {pgid} still present {_GONE_WITHIN_S}s after SIGKILL")
+            self._warn(f"sandbox group {running.pgid} still present {_GONE_WITHIN_S}s after SIGKILL")
 
     async def _wait_gone(self, running: _Running, within: float) -> bool:
         loop = asyncio.get_running_loop()
@@ -348,11 +441,98 @@ class Sandbox:
             # watcher never loses the leader's exit status to us.
             if running.proc.returncode is not None:
                 _reap_group(running.pgid)
-            if _group_gone(running.pgid):
+                if running.ns is not None:
+                    reap(running.ns.init_pid)
+            # Last, what carries this run's id and is neither: a namespace whose PID 1 outlived a wrapper
+            # killed during its setup (bwrap sets its parent-death signal too late to see that).
+            if (
+                _group_gone(running.pgid)
+                and (running.ns is None or not namespace_members(running.ns.link))
+                and not _kill_survivors(running.run_id)
+            ):
                 return True
             if loop.time() >= give_up:
                 return False
             await asyncio.sleep(_POLL_S)
+
+
+async def _read_info(fd: int, proc: asyncio.subprocess.Process) -> dict[str, object] | None:
+    """Read bwrap's info (one JSON object) from ``fd``, then close it; ``None`` if the wrapper ended first
+    (killed during its setup: its namespace's PID 1 may then survive it, see ``_survivors``)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    ended = asyncio.ensure_future(proc.wait())
+    data = b""
+    try:
+        while True:
+            chunk = asyncio.ensure_future(reader.read(4096))
+            await asyncio.wait({chunk, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not chunk.done():
+                chunk.cancel()
+                return None
+            if not (piece := chunk.result()):
+                return None
+            data += piece
+            try:
+                value = json.loads(data)
+            except ValueError:
+                continue
+            return value if isinstance(value, dict) else None
+    finally:
+        ended.cancel()
+        transport.close()
+
+
+def _survivors(run_id: str) -> list[int]:
+    """Live processes whose environment carries ``RUN_ENV=run_id`` (zombies show no environment)."""
+    needle = f"{RUN_ENV}={run_id}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def _sandbox_processes_of(workspace: Path) -> list[int]:
+    """Live sandbox processes (``RUN_ENV`` set) whose ``HOME`` is ``workspace``."""
+    home = f"HOME={workspace}".encode()
+    run = f"{RUN_ENV}=".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if home in environ and any(v.startswith(run) for v in environ):
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_survivors(run_id: str) -> bool:
+    """SIGKILL every survivor of ``run_id`` (and reap those reparented to us); False if there was none."""
+    survivors = _survivors(run_id)
+    for pid in survivors:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        reap(pid)
+    return bool(survivors)
+
+
+def _group_alive(pgid: int) -> bool:
+    return not _group_gone(pgid)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> bool:

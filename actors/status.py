@@ -8,7 +8,9 @@ harness's ``on_event`` hook only marks the latest snapshot dirty, and one writer
 
 Snapshot hash ``tether:status:<id>`` fields: ``state``, ``turns``, ``rho``, ``binding_dimension``,
 ``exit_reason``, ``tokens``, ``dollars``, ``hibernated`` (``0``/``1``), ``held_digest``, ``held_tool``,
-``held_expires_at`` (only while AWAITING_APPROVAL), ``pid``, ``updated_at`` (epoch seconds).
+``held_expires_at`` (only while AWAITING_APPROVAL), ``pid``, ``updated_at`` (epoch seconds); issue 12:
+``hold`` (watchdog, control, incident or empty), ``hold_reason``, ``hold_incidents`` (comma list),
+``rung``, ``escalations_open``, ``parent_id``.
 """
 
 from __future__ import annotations
@@ -25,12 +27,21 @@ import redis.asyncio as aioredis
 from actors.ports import LiveEventSink
 from runtime.budget import Dimension
 from runtime.clock import Clock
+from runtime.degradation import result_of
 from runtime.events import (
+    ChildSettled,
+    ChildSpawned,
+    EscalationAcknowledged,
+    EscalationOpened,
+    EscalationResolved,
     Event,
+    HoldPlaced,
+    HoldReleased,
     ModelCallSettled,
     ObligationUpdated,
     OperationSettled,
     OperatorActed,
+    RungChanged,
     StateChanged,
     ToolCallHeld,
 )
@@ -50,7 +61,23 @@ STATUS_KEY_PREFIX = "tether:status:"
 _log = logging.getLogger(__name__)
 
 # Events that change what the snapshot shows; everything else is not worth a write.
-_SHOWN = (StateChanged, ToolCallHeld, ModelCallSettled, OperationSettled, ObligationUpdated, OperatorActed)
+_SHOWN = (
+    StateChanged,
+    ToolCallHeld,
+    ModelCallSettled,
+    OperationSettled,
+    ObligationUpdated,
+    OperatorActed,
+    # issue 12: holds, rungs, escalations and children show in the snapshot too
+    HoldPlaced,
+    HoldReleased,
+    RungChanged,
+    EscalationOpened,
+    EscalationAcknowledged,
+    EscalationResolved,
+    ChildSpawned,
+    ChildSettled,
+)
 
 
 def status_key(trajectory_id: str) -> str:
@@ -70,6 +97,17 @@ def summarize(record: TrajectoryRecord, hibernated: bool = False) -> dict[str, A
         "binding_dimension": record.binding_dimension,
         "rho": round(record.rho, 4),
         "hibernated": hibernated,
+        # issue 12: the rung and machine-readable completeness of the result, holds, escalations, children
+        "result": result_of(record),
+        "rung": record.supervision.rung.value,
+        "hold": None if record.hold is None else record.hold.kind.value,
+        "escalations": {e.escalation_id: e.trigger.value for e in record.supervision.escalations.values()},
+        "parent_id": record.parent_id,
+        "children": {
+            c.child_id: {"status": c.status, "verified": c.verified, "spent": dict(c.spent)}
+            for c in record.supervision.children.values()
+        },
+        "spend": record.spend.as_dict(),
     }
 
 
@@ -131,6 +169,13 @@ def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> 
         "held_expires_at": f"{held.expires_at:.3f}" if held is not None else "",
         "pid": str(os.getpid()),
         "updated_at": f"{now:.3f}",
+        # issue 12
+        "hold": record.hold.kind.value if record.hold is not None else "",
+        "hold_reason": record.hold.reason[:200] if record.hold is not None else "",
+        "hold_incidents": ",".join(record.hold.incident_ids) if record.hold is not None else "",
+        "rung": record.supervision.rung.value,
+        "escalations_open": str(len(record.supervision.open_escalations())),
+        "parent_id": record.parent_id or "",
     }
 
 

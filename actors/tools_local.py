@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import os
-import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -188,7 +186,8 @@ class RunCommandArgs(BaseModel):
         default=None,
         gt=0.0,
         le=86_400.0,
-        description="seconds before the command's process group is killed; default and upper bound: the "
+        description="seconds before the command and everything it started are killed; default and upper "
+        "bound: the "
         "trajectory's tool timeout",
     )
 
@@ -204,10 +203,10 @@ class CommandRefused(InputError):
 class SandboxCommand:
     """The body of ``run_command`` over one trajectory's sandbox.
 
-    Classification (``ToolContract``), honestly: the command runs in the trajectory's workspace, in its own
-    process group, under rlimits and without network (``isolate_network``; the sandbox refuses to run it
-    when the host cannot cut the network), but this local sandbox does not isolate the filesystem or
-    snapshot the workspace. What a command did can therefore not be undone by Tether: it is IRREVERSIBLE,
+    Classification (``ToolContract``), honestly: the command runs in the trajectory's workspace, in a PID
+    namespace of its own with a read-only root, under rlimits and without network (``isolate_network``;
+    the sandbox refuses to run it when the host cannot cut the network), but the workspace it writes is
+    not snapshotted. What a command did can therefore not be undone by Tether: it is IRREVERSIBLE,
     and since running it twice may not equal running it once it is NEVER_REPEAT (an outcome lost to a crash
     or a kill stays *in doubt* with an owner, never re-run). It is not approval-gated by default: the
     sandbox bounds what a call can reach and "the gate is reserved for the calls they cannot make safe"
@@ -218,8 +217,9 @@ class SandboxCommand:
     list then means "the workspace's default command" (``TrajectoryLaunch.sandbox_default_argv``, set by
     the operator, never by the model); with no default configured it is refused, nothing runs.
 
-    A call cancelled by its caller (deadline, cancel) kills its own process group and waits until the
-    sandbox has reaped it; a trajectory kill tears every group down through ``Sandbox.kill_all``.
+    A call cancelled by its caller (deadline, cancel) cancels the sandbox's run, which kills the command
+    with everything it started and waits until it is gone; a trajectory kill tears every command down
+    through ``Sandbox.kill_all``.
     """
 
     def __init__(
@@ -234,7 +234,6 @@ class SandboxCommand:
         self.default_argv = tuple(default_argv)
         self.max_timeout_s = max_timeout_s
         self.output_chars = output_chars
-        self._starting = asyncio.Lock()  # one start at a time, so the new process group is ours alone
 
     async def __call__(self, args: RunCommandArgs) -> Mapping[str, Any]:
         sandbox = self.sandbox
@@ -246,20 +245,17 @@ class SandboxCommand:
                 "argv is empty and no default command is configured", where="run_command.argv"
             )
         timeout = _timeout(args.timeout_s, self.max_timeout_s)
-        async with self._starting:
-            before = sandbox.live_process_groups
-            task = asyncio.ensure_future(sandbox.run(argv, timeout, network=False))
-            pgid = await _new_group(sandbox, before, task)
+        task = asyncio.ensure_future(sandbox.run(argv, timeout, network=False))
         try:
             result = await asyncio.shield(task)
         except asyncio.CancelledError:
-            if pgid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-            with contextlib.suppress(BaseException):  # the sandbox's run reaps the group, then ends
+            # Cancelling the sandbox's run kills the command with everything it started and waits until it
+            # is gone; only then does this call end.
+            task.cancel()
+            with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, 10.0)
             raise
-        except PolicyRefusal as e:  # SandboxClosed (killed), NetworkIsolationUnavailable: nothing started
+        except PolicyRefusal as e:  # SandboxClosed (killed), IsolationUnavailable: nothing started
             raise CommandRefused(str(e), where="run_command") from e
         if result.killed and not result.timed_out:
             # torn down from outside (a trajectory kill): what the command did before it died is unknown
@@ -284,16 +280,6 @@ def _timeout(asked: float | None, cap: float | None) -> float:
     if asked is None:
         return cap if cap is not None else _FALLBACK_TIMEOUT_S
     return asked if cap is None else min(asked, cap)
-
-
-async def _new_group(sandbox: Sandbox, before: frozenset[int], task: asyncio.Future[Any]) -> int | None:
-    """The process group ``task`` started (None if it ended, or failed, before one was seen)."""
-    while not task.done():
-        fresh = sandbox.live_process_groups - before
-        if fresh:
-            return min(fresh)
-        await asyncio.sleep(0.001)
-    return None
 
 
 def builtin_tools(
@@ -335,7 +321,7 @@ def builtin_tools(
         LocalTool(
             ToolContract(
                 name="run_command",
-                description="Run a command in this trajectory's sandbox workspace (own process group, "
+                description="Run a command in this trajectory's sandbox workspace (isolated processes, "
                 "resource limits, no network) and report its exit code and the tail of its output.",
                 arguments=RunCommandArgs,
                 side_effect=SideEffect.IRREVERSIBLE,

@@ -35,10 +35,12 @@ from typing import Any
 import ray
 import redis.asyncio as aioredis
 
+from actors.children import RayChildren
 from actors.interpreter import Interpreter, RunOutcome
 from actors.launch import TrajectoryLaunch, load_launch, save_launch
 from actors.metrics_ray import RayBackend
 from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier
+from actors.quarantine import QuarantineGate
 from actors.sandbox import Sandbox
 from actors.status import StatusPublisher, summarize
 from actors.tools_local import LOCAL_SCOPE
@@ -224,6 +226,7 @@ class TrajectoryActor:
         held = rec.held
         return {
             **summarize(rec, hibernated=self._exiting),
+            "hold": None if rec.hold is None else rec.hold.kind.value,
             "pending_control": [p.action.value for p in rec.pending_control],
             "held": None
             if held is None
@@ -241,6 +244,20 @@ class TrajectoryActor:
         answer = await interpreter.fire_timer(timer_id)
         self._ensure_running()  # a woken actor runs on from here
         return answer
+
+    async def cascade(self, kill: bool, parent_id: str, reason: str) -> str:
+        """Cancel or kill cascaded from this trajectory's parent (issue 12): an in-cluster call from the
+        parent's actor, recorded like a control message from ``parent:<id>`` (idempotent by its id)."""
+        if self._exiting:
+            raise RuntimeError(f"{actor_name(self.launch.trajectory_id)} is hibernating; deliver again")
+        if parent_id != self.launch.parent_id:
+            return "rejected:NOT_PARENT"
+        harness = await self._started()
+        action = ControlAction.KILL if kill else ControlAction.CANCEL
+        message_id = f"cascade-{action.value}-{parent_id}"
+        answer = await harness.deliver(ControlReceived(message_id, action, f"parent:{parent_id}", reason))
+        self._ensure_running()
+        return "rejected:TRAJECTORY_TERMINAL" if answer == "rejected" else answer
 
     def pid(self) -> int:
         """The worker process id (fault tests kill it)."""
@@ -298,6 +315,7 @@ class TrajectoryActor:
             )
             self._built.closers.append(timers.close)
             self._built.ports.leases = _SandboxLeases(sandbox)
+            self._supervise(self._built)
             events = self._adapters.live_events(launch.redis_url)
             self._status = StatusPublisher(self._client(), events, launch.trajectory_id, self._clock)
             policy = build_policy(launch, registry)
@@ -313,6 +331,16 @@ class TrajectoryActor:
             self._status.show(harness.record)
             self._harness = harness
             return harness
+
+    def _supervise(self, built: BuiltPorts) -> None:
+        """Issue 12: escalations and incidents go to the cluster's registries; every tool call passes the
+        quarantine at the dispatch boundary; delegated calls become child trajectories."""
+        store = self._adapters.supervision_store(self.launch.redis_url)
+        built.closers.append(store.close)
+        ports = built.ports
+        ports.tools = QuarantineGate(ports.tools, store)
+        ports.supervision = store
+        ports.children = RayChildren(self.launch, self._adapters, ports.log)
 
     def _make_sandbox(self) -> Sandbox | None:
         """The trajectory's process sandbox, when the launch names a workspace root. A sandbox that cannot

@@ -18,7 +18,7 @@ import os
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from actors.contracts import testbed_contracts
 from actors.interpreter import InterpreterPorts, TimerPort
@@ -134,6 +134,16 @@ def build_registry(launch: TrajectoryLaunch) -> ToolRegistry:
                 f"(built in: {', '.join(sorted(known))})",
                 where=f"{where}.tool_contracts",
             )
+    delegation = launch.supervision.delegation if launch.supervision is not None else None
+    if delegation is not None:  # issue 12: calls to the delegation tool spawn child trajectories
+        from actors.supervision_config import delegate_contract
+
+        if delegation.tool in registry:
+            raise InputError(
+                f"the delegation tool {delegation.tool!r} is also a routed tool",
+                where=f"{where}.supervision.delegation.tool",
+            )
+        registry.register(delegate_contract(delegation.tool))
     for name in sorted(launch.local_tools):
         if name not in builtins:
             raise InputError(
@@ -157,7 +167,7 @@ def build_created(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajector
     read_only = frozenset(n for n in granted if registry.get(n).side_effect is SideEffect.READ_ONLY)
     return TrajectoryCreated(
         trajectory_id=launch.trajectory_id,
-        parent_id=None,
+        parent_id=launch.parent_id,
         tenant=launch.tenant,
         contract=TaskContract(
             launch.goal, CompletionCheck(launch.completion_check.name, dict(launch.completion_check.params))
@@ -179,6 +189,10 @@ def build_created(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajector
 def build_policy(launch: TrajectoryLaunch, registry: ToolRegistry) -> TrajectoryPolicy:
     """The trajectory's policy from its launch: the same for every incarnation (the seed of the decider's
     jitter is derived from the trajectory id with a stable hash, never Python's per-process ``hash``)."""
+    supervision = launch.supervision
+    extra: dict[str, Any] = {}
+    if supervision is not None:  # issue 12
+        extra = {"supervision": supervision.build(launch.depth), "watchdog": supervision.call_watchdog()}
     return TrajectoryPolicy(
         registry=registry,
         provider_key=launch.provider.provider_key,
@@ -197,6 +211,7 @@ def build_policy(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajectory
         idle_hibernate_s=launch.hibernate_after_s,
         rng_seed=zlib.crc32(launch.trajectory_id.encode()),
         reserve=FinalizationReserve(seconds=launch.reserve_s),
+        **extra,
     )
 
 

@@ -55,7 +55,7 @@ from runtime.ports import (
     ToolPort,
 )
 from scheduler.inprocess import AlwaysAdmit
-from testbed.tools.faults import DoorCounts, FaultPlan
+from testbed.tools.faults import DoorCounts, EffectKeys, FaultPlan
 from testbed.tools.host import Testbed, start_testbed
 
 __all__ = ["SERVICE", "TOOL", "Counters", "TestbedThread", "run_baseline", "run_tether"]
@@ -134,7 +134,9 @@ class TestbedThread:
         self._thread = threading.Thread(target=self._loop.run_forever, name="testbed-tools", daemon=True)
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(
-            start_testbed(services=(SERVICE,), dedupe_effect_keys=False, faults={SERVICE: plan}), self._loop
+            # every attempt applied, repeated effect key or not: the storm's work is real at the service
+            start_testbed(services=(SERVICE,), effect_keys=EffectKeys.IGNORE, faults={SERVICE: plan}),
+            self._loop,
         )
         self.testbed: Testbed = future.result(timeout=30)
 

@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "cluster.cli_obligations",
     "cluster.cli_keys",
     "cluster.cli_submit",
+    "cluster.cli_supervise",  # issue 12: tether incident, tether escalations
 )
 
 

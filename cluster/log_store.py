@@ -11,13 +11,31 @@ of the Redis process or the machine. Under ``everysec`` up to about a second of 
 be lost on a machine crash (``benchmarks/log_append.py`` measures what ``always`` costs). A replicated
 deployment can additionally require ``min_replicas`` replicas to have the entry (``WAIT``) before
 ``append`` returns; ``durability()`` reports what the server is configured to do.
+
+Riding out an outage. An unreachable Redis (refused or dropped connections, timeouts, a server still
+loading its AOF after a restart) is a wait, not a failure: every operation is retried with full-jitter
+backoff for the *outage budget* (``outage_s``; default ``TETHER_REDIS_OUTAGE_S`` or 180 s), then fails
+with a ``DependencyError`` that says how long Redis was unreachable. Errors Redis *answered* (a wrong
+password, a foreign key) are not waited on.
+
+Nothing is appended twice. A write whose reply is lost (the server applied it, the connection died
+before the answer) must not be re-sent blindly, or the log would hold the batch twice. Each batch
+carries a batch id, stored in every entry it writes (field ``b``), and is written by one Lua script
+that first looks for that batch id among the stream's newest entries: a retry of a batch that already
+landed returns the ids it got the first time instead of appending again. The script runs atomically,
+so a batch is in the log whole or not at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+import os
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, cast
+from typing import Any, Self, TypeVar, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -26,11 +44,79 @@ from cluster.embedded import redact_url, redis_errors
 from runtime.errors import DependencyError, InputError
 from runtime.memstore import LOG_KEY_PREFIX, check_trajectory_id, parse_entry_id
 
-__all__ = ["FIELD", "Durability", "RedisLogStore", "log_key"]
+__all__ = [
+    "BATCH_FIELD",
+    "DEFAULT_OUTAGE_S",
+    "FIELD",
+    "OUTAGE_ENV",
+    "Durability",
+    "RedisLogStore",
+    "log_key",
+    "outage_budget_from_env",
+]
 
-FIELD = b"e"  # the one field of every log entry: the encoded event
+FIELD = b"e"  # the encoded event of every log entry
+BATCH_FIELD = b"b"  # the id of the batch that wrote the entry (what makes a retried append idempotent)
+OUTAGE_ENV = "TETHER_REDIS_OUTAGE_S"
+DEFAULT_OUTAGE_S = 180.0
 _READ_BATCH = 1000  # XRANGE page size: bounded replies even for long logs
+# A retried batch is looked for among the log's newest entries: its own size plus this margin (one writer
+# per trajectory, so a batch that landed is the newest one unless a successor incarnation wrote after it).
+_LOOKBACK = 32
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
 _Entries = list[tuple[bytes, dict[bytes, bytes]]]
+_T = TypeVar("_T")
+_log = logging.getLogger(__name__)
+
+# KEYS[1] the log; ARGV[1] the batch id, ARGV[2] how many newest entries to look through (0 on a first
+# attempt: no earlier attempt can have landed), ARGV[3..] the payloads.
+# Returns {1, ids} when the batch is already in the log, {0, ids} when this call appended it.
+_APPEND_ONCE = """
+local found = {}
+local lookback = tonumber(ARGV[2])
+if lookback > 0 then
+  local recent = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', lookback)
+  for _, entry in ipairs(recent) do
+    local fields = entry[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'b' and fields[i + 1] == ARGV[1] then
+        table.insert(found, 1, entry[1])
+      end
+    end
+  end
+end
+if #found > 0 then
+  return {1, found}
+end
+local ids = {}
+for i = 3, #ARGV do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'e', ARGV[i], 'b', ARGV[1])
+end
+return {0, ids}
+"""
+
+
+def outage_budget_from_env() -> float:
+    """``TETHER_REDIS_OUTAGE_S`` (seconds a store keeps retrying an unreachable Redis), or the default."""
+    raw = os.environ.get(OUTAGE_ENV)
+    if not raw:
+        return DEFAULT_OUTAGE_S
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise InputError(f"must be a number of seconds, not {raw!r}", where=OUTAGE_ENV) from e
+    if value < 0:
+        raise InputError(f"must be >= 0, not {value}", where=OUTAGE_ENV)
+    return value
+
+
+def _unreachable(error: DependencyError) -> bool:
+    """Whether ``error`` (from ``redis_errors``) means Redis could not be reached or did not answer."""
+    cause = error.__cause__
+    return not error.non_retryable and isinstance(
+        cause, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError | OSError
+    )
 
 
 def log_key(trajectory_id: str) -> str:
@@ -65,6 +151,7 @@ class RedisLogStore:
         min_replicas: int = 0,
         replica_timeout_ms: int = 1000,
         owns_client: bool = False,
+        outage_s: float | None = None,
     ) -> None:
         if min_replicas < 0:
             raise ValueError(f"min_replicas must be >= 0, got {min_replicas}")
@@ -73,14 +160,26 @@ class RedisLogStore:
         self._min_replicas = min_replicas
         self._replica_timeout_ms = replica_timeout_ms
         self._owns_client = owns_client
+        self.outage_s = outage_budget_from_env() if outage_s is None else outage_s
+        if self.outage_s < 0:
+            raise ValueError(f"outage_s must be >= 0, got {self.outage_s}")
+        self._append_once = client.register_script(_APPEND_ONCE)
 
     @classmethod
-    def from_url(cls, url: str, *, min_replicas: int = 0, socket_timeout: float = 10.0) -> Self:
-        """A store with its own connection pool to ``url`` (password in the URL: ``redis://:pw@h:p/0``)."""
+    def from_url(
+        cls,
+        url: str,
+        *,
+        min_replicas: int = 0,
+        socket_timeout: float = 10.0,
+        outage_s: float | None = None,
+    ) -> Self:
+        """A store with its own connection pool to ``url`` (password in the URL: ``redis://:pw@h:p/0``);
+        ``outage_s``: how long to wait out an unreachable Redis (``None``: ``TETHER_REDIS_OUTAGE_S``)."""
         client = aioredis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
-        return cls(client, url=url, min_replicas=min_replicas, owns_client=True)
+        return cls(client, url=url, min_replicas=min_replicas, owns_client=True, outage_s=outage_s)
 
     @property
     def url(self) -> str:
@@ -100,26 +199,12 @@ class RedisLogStore:
 
     async def append(self, trajectory_id: str, payload: bytes) -> str:
         """Append ``payload``; returns the entry id once Redis acknowledged it (and fsynced, see module)."""
-        key = log_key(trajectory_id)
-        if not isinstance(payload, bytes | bytearray | memoryview):
-            raise InputError(f"log payload must be bytes, got {type(payload).__name__}", where="payload")
-        with redis_errors(self._url, f"appending to {key}"):
-            entry_id = await self._client.xadd(key, {FIELD: bytes(payload)})
-            if self._min_replicas:
-                acked = await self._client.wait(self._min_replicas, self._replica_timeout_ms)
-                if acked < self._min_replicas:
-                    # The entry is on the primary but not as replicated as asked: report failure so the
-                    # caller does not perform the effect this intent announces.
-                    raise DependencyError(
-                        f"appending to {key}: only {acked} of {self._min_replicas} replicas acknowledged "
-                        f"entry {_text(entry_id)} within {self._replica_timeout_ms} ms",
-                        scope="redis",
-                    )
-        return _text(entry_id)
+        [entry_id] = await self.append_many(trajectory_id, [payload])
+        return entry_id
 
     async def append_many(self, trajectory_id: str, payloads: Sequence[bytes]) -> list[str]:
-        """Append ``payloads`` in order as one MULTI/EXEC transaction: all or none, acknowledged (and,
-        with ``appendfsync always``, fsynced) once for the whole batch."""
+        """Append ``payloads`` in order as one batch: all or none, written once however often it is retried,
+        acknowledged (and, with ``appendfsync always``, fsynced) once for the whole batch."""
         key = log_key(trajectory_id)
         for i, payload in enumerate(payloads):
             if not isinstance(payload, bytes | bytearray | memoryview):
@@ -128,28 +213,79 @@ class RedisLogStore:
                 )
         if not payloads:
             return []
-        if len(payloads) == 1:
-            return [await self.append(trajectory_id, payloads[0])]
-        with redis_errors(self._url, f"appending {len(payloads)} entries to {key}"):
-            async with self._client.pipeline(transaction=True) as pipe:
-                for payload in payloads:
-                    pipe.xadd(key, {FIELD: bytes(payload)})
-                ids = await pipe.execute()
-            if self._min_replicas:
+        batch = uuid.uuid4().hex  # one id for every retry of this batch
+        blobs = [bytes(p) for p in payloads]
+        doing = f"appending {len(blobs)} entr{'y' if len(blobs) == 1 else 'ies'} to {key}"
+        attempts = 0
+
+        async def attempt() -> list[str]:
+            nonlocal attempts
+            attempts += 1
+            lookback = 0 if attempts == 1 else len(blobs) + _LOOKBACK
+            return await self._append_batch(key, batch, blobs, lookback)
+
+        ids = await self._ride_out(doing, attempt)
+        if self._min_replicas:
+            with redis_errors(self._url, doing):
                 acked = await self._client.wait(self._min_replicas, self._replica_timeout_ms)
-                if acked < self._min_replicas:
-                    raise DependencyError(
-                        f"appending to {key}: only {acked} of {self._min_replicas} replicas acknowledged "
-                        f"a batch of {len(payloads)} within {self._replica_timeout_ms} ms",
-                        scope="redis",
-                    )
+            if acked < self._min_replicas:
+                # The batch is on the primary but not as replicated as asked: report failure so the
+                # caller does not perform the effect this intent announces.
+                raise DependencyError(
+                    f"{doing}: only {acked} of {self._min_replicas} replicas acknowledged "
+                    f"within {self._replica_timeout_ms} ms",
+                    scope="redis",
+                )
+        return ids
+
+    async def _append_batch(self, key: str, batch: str, payloads: list[bytes], lookback: int) -> list[str]:
+        """One attempt at writing the batch (the Lua script: append unless the batch id is among the
+        ``lookback`` newest entries already)."""
+        with redis_errors(self._url, f"appending to {key}"):
+            found, ids = await self._append_once(keys=[key], args=[batch, lookback, *payloads])
+        if found:
+            _log.info("%s: batch %s was already appended (its reply had been lost)", key, batch)
+        if len(ids) != len(payloads):
+            raise DependencyError(
+                f"{key}: batch {batch} holds {len(ids)} entries, expected {len(payloads)}",
+                scope="redis",
+                non_retryable=True,
+            )
         return [_text(entry_id) for entry_id in ids]
+
+    async def _ride_out(self, doing: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """Run ``attempt`` until it succeeds, retrying while Redis is unreachable for up to ``outage_s``
+        (full-jitter exponential backoff); then a ``DependencyError`` naming the outage."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        backoff = _FIRST_BACKOFF_S
+        while True:
+            try:
+                return await attempt()
+            except DependencyError as e:
+                if not _unreachable(e):
+                    raise
+                waited = loop.time() - started
+                left = self.outage_s - waited
+                if left <= 0:
+                    raise DependencyError(
+                        f"{doing}: Redis at {self.url} unreachable for {waited:.1f}s, beyond the outage "
+                        f"budget of {self.outage_s:g}s ({OUTAGE_ENV}); last error: {e}",
+                        scope="redis",
+                    ) from e
+                if waited == 0 or backoff == _FIRST_BACKOFF_S:
+                    _log.warning("%s: Redis unreachable, waiting up to %.0fs: %s", doing, left, e)
+                await asyncio.sleep(min(left, random.uniform(0, backoff)))
+                backoff = min(_MAX_BACKOFF_S, backoff * 2)
 
     async def read(self, trajectory_id: str, after: str | None = None) -> list[tuple[str, bytes]]:
         """Every entry with an id greater than ``after`` (from the start when ``None``), in order."""
         key = log_key(trajectory_id)
         if after is not None:
             parse_entry_id(after)  # same validation and error as the in-memory store
+        return await self._ride_out(f"reading {key}", lambda: self._read(key, after))
+
+    async def _read(self, key: str, after: str | None) -> list[tuple[str, bytes]]:
         start = "-" if after is None else f"({after}"
         out: list[tuple[str, bytes]] = []
         with redis_errors(self._url, f"reading {key}"):
@@ -164,24 +300,40 @@ class RedisLogStore:
     async def exists(self, trajectory_id: str) -> bool:
         """Whether the trajectory has a log (a stream with at least one entry)."""
         key = log_key(trajectory_id)
-        with redis_errors(self._url, f"checking {key}"):
-            return bool(await self._client.exists(key))
+
+        async def once() -> bool:
+            with redis_errors(self._url, f"checking {key}"):
+                return bool(await self._client.exists(key))
+
+        return await self._ride_out(f"checking {key}", once)
 
     async def list_trajectories(self) -> list[str]:
         """Ids of every trajectory with a log, sorted (``SCAN``: does not block the server)."""
-        found: set[str] = set()
-        with redis_errors(self._url, "listing trajectory logs"):
-            async for key in self._client.scan_iter(match=f"{LOG_KEY_PREFIX}*", count=500, _type="STREAM"):
-                found.add(_text(key)[len(LOG_KEY_PREFIX) :])
-        return sorted(found)
+
+        async def once() -> list[str]:
+            found: set[str] = set()
+            with redis_errors(self._url, "listing trajectory logs"):
+                async for key in self._client.scan_iter(
+                    match=f"{LOG_KEY_PREFIX}*", count=500, _type="STREAM"
+                ):
+                    found.add(_text(key)[len(LOG_KEY_PREFIX) :])
+            return sorted(found)
+
+        return await self._ride_out("listing trajectory logs", once)
 
     async def durability(self) -> Durability:
         """What the server does with an acknowledged write (AOF on? fsync policy?)."""
-        with redis_errors(self._url, "reading the persistence settings"):
-            try:
-                conf: dict[Any, Any] = await self._client.config_get("append*")
-            except redis.exceptions.ResponseError:  # managed Redis often disables CONFIG
-                return Durability(appendonly=None, appendfsync=None)
+
+        async def once() -> dict[Any, Any] | None:
+            with redis_errors(self._url, "reading the persistence settings"):
+                try:
+                    return cast(dict[Any, Any], await self._client.config_get("append*"))
+                except redis.exceptions.ResponseError:  # managed Redis often disables CONFIG
+                    return None
+
+        conf = await self._ride_out("reading the persistence settings", once)
+        if conf is None:
+            return Durability(appendonly=None, appendfsync=None)
         values = {_text(k): _text(v) for k, v in conf.items()}
         appendonly = values.get("appendonly")
         return Durability(

@@ -125,6 +125,23 @@ class RedisServer:
             proc.kill()
             proc.wait(timeout=5)
 
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, no final AOF rewrite) and wait until it is gone.
+
+        The port and data directory are kept, so ``start()`` brings the same server back: it replays
+        its AOF and listens where clients expect it."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def restart(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server again on the same port and data directory (after ``kill``/``stop``)."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"redis-server on port {self.port} is still running")
+        return self.start(timeout)
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None

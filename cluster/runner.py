@@ -101,6 +101,15 @@ class TrajectoryResult:
     binding_dimension: str | None
     expected_state: str | None = None
     error: str | None = None
+    # issue 12: the result's rung and machine-readable completeness, and what supervision left behind
+    result: dict[str, Any] | None = None
+    escalations: dict[str, str] = field(default_factory=dict)  # escalation id -> trigger
+    children: dict[str, Any] = field(default_factory=dict)
+    spend: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rung(self) -> str:
+        return str((self.result or {}).get("rung", "full"))
 
     @property
     def as_expected(self) -> bool:
@@ -116,6 +125,10 @@ class TrajectoryResult:
             "tokens": self.tokens,
             "dollars": self.dollars,
             "binding_dimension": self.binding_dimension,
+            "rung": self.rung,
+            "result": self.result,
+            "escalations": dict(self.escalations),
+            "children": dict(self.children),
         }
 
 
@@ -134,6 +147,8 @@ class RunResult:
     ledger: dict[str, Any] | None = None
     handoff: dict[str, dict[str, Any]] = field(default_factory=dict)
     operator_actions: dict[str, str] = field(default_factory=dict)
+    # issue 12: escalations by trigger, incidents and the quarantine, read from the cluster at the end
+    supervision: dict[str, Any] = field(default_factory=dict)
 
     @property
     def unexpected(self) -> list[TrajectoryResult]:
@@ -144,18 +159,25 @@ class RunResult:
         testbed's own count), ``handoff`` (packets by trajectory) and the scripted ``operator_actions``."""
         states = Counter(r.state for r in self.results)
         reasons = Counter(r.exit_reason for r in self.results if r.exit_reason is not None)
+        rungs = Counter(r.rung for r in self.results)
+        statuses = Counter(str((r.result or {}).get("status", "unknown")) for r in self.results)
+        degraded = sum(n for rung, n in rungs.items() if rung != "full")
         return {
             "summary": {
                 "states": dict(sorted(states.items())),
                 "exit_reasons": dict(sorted(reasons.items())),
                 "tokens": sum(r.tokens for r in self.results),
                 "dollars": round(sum(r.dollars for r in self.results), 6),
+                "rungs": dict(sorted(rungs.items())),
+                "results": dict(sorted(statuses.items())),
+                "degraded_result_rate": round(degraded / len(self.results), 4) if self.results else 0.0,
             },
             "trajectories": [r.row() for r in self.results],
             "provider": dict(self.provider),
             "ledger": self.ledger,
             "handoff": dict(self.handoff),
             "operator_actions": dict(self.operator_actions),
+            "supervision": dict(self.supervision),
         }
 
 
@@ -248,9 +270,20 @@ def plan_launches(
             hibernate_after_s=workload.hibernate_after_s,
             workspace_root=workspace_root,
             resources=workload.trajectory_resources,
+            supervision=_supervision_of(workload, spec),
         )
         planned.append((spec, launch))
     return planned
+
+
+def _supervision_of(workload: Workload, spec: TrajectorySpec) -> Any:
+    """The workload's supervision, with the trajectory's own delegation template where it declares one."""
+    if spec.delegation is None:
+        return workload.supervision
+    from actors.supervision_config import SupervisionSpec
+
+    base = workload.supervision or SupervisionSpec()
+    return base.model_copy(update={"delegation": spec.delegation})
 
 
 def new_run_id(now: float) -> str:
@@ -318,7 +351,13 @@ class Services:
             self._stack.callback(self.provider.stop)
             self.base_url = self.provider.base_url
         if any(t.source == ToolSource.TESTBED for t in wl.tools):
-            testbed = TestbedProcess(free_port()).start()
+            from testbed.tools.faults import FaultPlan
+
+            faults = {
+                name: [FaultPlan.model_validate(p) for p in (plan if isinstance(plan, list) else [plan])]
+                for name, plan in wl.testbed_faults.items()
+            }
+            testbed = TestbedProcess(free_port(), faults=faults).start()
             self._stack.callback(testbed.stop)
             self.testbed_address = testbed.address
         if self.options.address is None:
@@ -415,7 +454,21 @@ class Services:
         if wl.mcp_servers:
             self._start_mcp_hosts()
         scopes = sorted({t.guarded_scope(wl.mcp_servers) for t in wl.tools if t.source != ToolSource.BUILTIN})
-        handle = GuardHandle(metrics_backend=RayBackend)
+        policy = None
+        if wl.breaker is not None:  # issue 12: an example's outage trips a breaker in a few calls
+            from breakers.breaker import BreakerPolicy
+            from breakers.scope_guard import GuardPolicy
+
+            b = wl.breaker
+            breaker = BreakerPolicy(
+                window_size=b.window_size,
+                min_samples=b.min_samples,
+                trip_threshold=b.failure_threshold,
+                cooldown_s=b.cooldown_s,
+                max_cooldown_s=max(b.cooldown_s, BreakerPolicy().max_cooldown_s),
+            )
+            policy = GuardPolicy(breaker=breaker)
+        handle = GuardHandle(policy=policy, metrics_backend=RayBackend)
         self.actor_handles.extend(handle.actor(scope) for scope in scopes)
 
     def _start_mcp_hosts(self) -> None:
@@ -637,6 +690,7 @@ class Driver:
         # is stuck (never placed, or wedged), and the run reports it instead of waiting forever.
         self.deadline_grace_s = DEADLINE_GRACE_S
         self.handles: dict[str, Any] = {}
+        self.supervision: dict[str, Any] = {}
 
     async def run(
         self, on_progress: Progress | None = None, stop: threading.Event | None = None
@@ -664,6 +718,8 @@ class Driver:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self._sample_once(client, started, on_progress)
+        with contextlib.suppress(Exception):  # a view: a report without it says nothing rather than fail
+            self.supervision = await supervision_report(client)
         await client.aclose()
         return list(results)
 
@@ -731,6 +787,10 @@ class Driver:
             binding_dimension=summary.get("binding_dimension"),
             expected_state=spec.expected_state,
             error=error,
+            result=summary.get("result"),
+            escalations=dict(summary.get("escalations") or {}),
+            children=dict(summary.get("children") or {}),
+            spend=dict(summary.get("spend") or {}),
         )
 
     async def _until_woken(self, client: aioredis.Redis, trajectory_id: str, deadline_at: float) -> None:
@@ -769,6 +829,35 @@ class Driver:
         self.timeline.append((time.monotonic() - started, dict(counts)))
         if on_progress is not None:
             on_progress(dict(counts), len(self.launches))
+
+
+async def supervision_report(client: aioredis.Redis) -> dict[str, Any]:
+    """Escalations by trigger (open, overdue, all), incidents and the quarantine, as the run leaves them."""
+    from cluster.observe import supervision_counts
+    from cluster.supervision_store import RedisSupervisionStore
+
+    store = RedisSupervisionStore(client)
+    escalations = await store.escalations()
+    counts = supervision_counts(escalations, time.time())
+    by_trigger = Counter(str(e.get("trigger")) for e in escalations)
+    incidents = await store.incidents()
+    return {
+        "escalations": {
+            "by_trigger": dict(sorted(by_trigger.items())),
+            "open": {t: n for t, n in counts["open"].items() if n},
+            "overdue": {t: n for t, n in counts["overdue"].items() if n},
+        },
+        "incidents": [
+            {
+                "incident_id": d["incident_id"],
+                "status": d.get("status"),
+                "members": sorted(d.get("members", {})),
+                "artifacts": len(d.get("artifacts", [])),
+            }
+            for d in incidents
+        ],
+        "quarantined_artifacts": await store.quarantine_size(),
+    }
 
 
 def run_driver(
@@ -839,6 +928,7 @@ def run_driver(
         ledger=read_ledger(services.testbed_address),
         handoff=read_handoffs(services.redis_url, ids),
         operator_actions=dict(actions.sent),
+        supervision=driver.supervision,
     )
 
 

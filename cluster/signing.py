@@ -90,6 +90,11 @@ ACTION_ROLES: Mapping[ControlAction, frozenset[Role]] = MappingProxyType(
         # what a trajectory owes the world: a person's word, never a policy's
         ControlAction.SETTLE: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
         ControlAction.HANDOFF: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
+        # issue 12: an incident hold is containment (security and reliability staff, or an automated
+        # policy); lifting it and taking custody of an escalation are a person's decisions
+        ControlAction.HOLD: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE, Role.POLICY}),
+        ControlAction.RELEASE: frozenset({Role.OPERATOR, Role.SECOPS}),
+        ControlAction.ACKNOWLEDGE: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
     }
 )
 

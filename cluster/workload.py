@@ -44,6 +44,7 @@ from actors.contracts import (
     resolve_contract,
     testbed_contracts,
 )
+from actors.supervision_config import DelegationSpec, SupervisionSpec
 from actors.tools_local import builtin_tools
 from actors.tools_mcp.config import McpServerConfig
 from runtime.errors import InputError
@@ -306,6 +307,8 @@ class TrajectorySpec(_Strict):
     completion_check: CompletionCheckSpec = CompletionCheckSpec()
     expected_state: Literal["COMPLETED", "FAILED", "CANCELED"] | None = None
     operator: OperatorStep | None = None
+    # issue 12: this trajectory's own delegation template (instead of the workload's supervision.delegation)
+    delegation: DelegationSpec | None = None
 
     @field_validator("id")
     @classmethod
@@ -346,6 +349,21 @@ class RetrySpec(_Strict):
     max_backoff_s: PositiveFloat = 5.0
 
 
+class BreakerSpec(_Strict):
+    """The breaker of every dependency scope's guard actor (defaults: ``breakers.BreakerPolicy``)."""
+
+    window_size: PositiveInt = 50
+    min_samples: PositiveInt = 20
+    failure_threshold: Annotated[float, Field(gt=0, le=1)] = 0.5
+    cooldown_s: PositiveFloat = 5.0
+
+    @model_validator(mode="after")
+    def _samples_fit(self) -> BreakerSpec:
+        if self.min_samples > self.window_size:
+            raise ValueError("min_samples cannot exceed window_size")
+        return self
+
+
 class Workload(_Strict):
     name: str = "workload"
     provider: ProviderSpec = ProviderSpec()
@@ -365,6 +383,37 @@ class Workload(_Strict):
     # cluster declares it, else none. Set it on a cluster that autoscales from zero workers, where no live
     # node declares the resource yet ({tether_trajectory: 1}); {} requests none.
     trajectory_resources: dict[str, PositiveFloat] | None = None
+    # issue 12: the watchdog ladder, task-state projection, disclosure rules, escalation routes, degradation
+    # ladder and delegation template (actors.supervision_config), for every trajectory of the workload
+    supervision: SupervisionSpec | None = None
+    breaker: BreakerSpec | None = None
+    # Faults the testbed's services start with (testbed.tools.faults.FaultPlan, or a list of them, per
+    # service; the first matching rule applies): a dependency outage the example runs into, by hand as in
+    # its test.
+    testbed_faults: dict[str, dict[str, Any] | list[dict[str, Any]]] = Field(default_factory=dict)
+
+    @field_validator("testbed_faults")
+    @classmethod
+    def _fault_plans(
+        cls, v: dict[str, dict[str, Any] | list[dict[str, Any]]]
+    ) -> dict[str, dict[str, Any] | list[dict[str, Any]]]:
+        from testbed.tools.faults import FaultPlan
+        from testbed.tools.services import SERVICES
+
+        for service, given in v.items():
+            if service not in SERVICES:
+                raise ValueError(f"testbed_faults: unknown service {service!r}; known: {', '.join(SERVICES)}")
+            for i, plan in enumerate(given if isinstance(given, list) else [given]):
+                try:
+                    FaultPlan.model_validate(plan)
+                except ValueError as e:
+                    raise ValueError(f"testbed_faults.{service}[{i}]: {e}") from e
+        return v
+
+    @property
+    def delegation_tool(self) -> str | None:
+        spec = self.supervision
+        return spec.delegation.tool if spec is not None and spec.delegation is not None else None
 
     @field_validator("mcp_servers")
     @classmethod
@@ -379,6 +428,26 @@ class Workload(_Strict):
         tool_names = {t.name for t in self.tools}
         if len(tool_names) != len(self.tools):
             raise ValueError("tool names must be unique")
+        declared_tools = set(tool_names)
+        delegate = self.delegation_tool
+        if delegate is not None:
+            if delegate in tool_names:
+                raise ValueError(f"supervision.delegation.tool {delegate!r} is also a declared tool")
+            assert self.supervision is not None and self.supervision.delegation is not None
+            unknown_child = [g for g in self.supervision.delegation.grants if g not in tool_names]
+            if unknown_child:
+                raise ValueError(
+                    f"supervision.delegation.grants names undeclared tools: {', '.join(unknown_child)}"
+                )
+            tool_names = tool_names | {delegate}
+        if self.supervision is not None:
+            for name in self.supervision.progress:
+                if name not in tool_names:
+                    raise ValueError(f"supervision.progress.{name}: not a declared tool")
+            for i, rule in enumerate(self.supervision.disclosure):
+                unknown = [t for t in rule.tools if t not in tool_names]
+                if unknown:
+                    raise ValueError(f"supervision.disclosure[{i}].tools names undeclared tools: {unknown}")
         for i, tool in enumerate(self.tools):
             where = f"tools[{i}]"
             if tool.source == ToolSource.MCP and tool.server not in self.mcp_servers:
@@ -400,9 +469,17 @@ class Workload(_Strict):
             if spec.priority_class not in self.classes:
                 declared = ", ".join(self.classes)
                 raise ValueError(f"{where}.class {spec.priority_class!r} is not declared ({declared})")
-            unknown = [g for g in spec.grants if g not in tool_names]
+            own = spec.delegation
+            allowed = tool_names | ({own.tool} if own is not None else set())
+            unknown = [g for g in spec.grants if g not in allowed]
             if unknown:
                 raise ValueError(f"{where}.grants names undeclared tools: {', '.join(unknown)}")
+            if own is not None:
+                if own.tool in declared_tools:
+                    raise ValueError(f"{where}.delegation.tool {own.tool!r} is also a declared tool")
+                unknown_child = [g for g in own.grants if g not in declared_tools]
+                if unknown_child:
+                    raise ValueError(f"{where}.delegation.grants names undeclared tools: {unknown_child}")
             checked = spec.completion_check.tool
             if spec.completion_check.kind == "tool_succeeded" and checked not in spec.grants:
                 raise ValueError(f"{where}.completion_check.tool {checked!r} is not in its grants")

@@ -55,6 +55,8 @@ S = TrajectoryState
 def stop_requested(step: Step) -> str | None:
     """The pending stop request (pause, cancel, kill), if any: nothing not yet sent is sent while it is."""
     pending = step.pending(*STOPS)
+    if pending is None and step.record.hold is not None and step.record.state is not S.FINALIZING:
+        return "hold"  # issue 12: a held trajectory sends no model-directed work (cleanup is not held)
     return None if pending is None else pending.action.value
 
 
@@ -77,6 +79,11 @@ def queue_for_permit(
     approval_digest: str | None = None,
 ) -> None:
     """Queue a call for its permits and ask for them."""
+    if not step.record.grants.allows(tool):
+        # issue 12: the grant narrowed while this call waited (a hold's revocation, a degraded rung, a
+        # watchdog's constraint): it is not sent, and the model is told
+        refuse_call(step, call_id, refusal("NOT_GRANTED", f"{tool} is no longer granted; not sent"))
+        return
     contract = step.policy.registry.get(tool)
     request_id = step.new_id("permit")
     queued = ToolCallQueued(
@@ -175,6 +182,9 @@ def on_permit_refused(step: Step, inp: PermitRefused) -> None:
     if inp.retry_after is not None:
         body["retry_after_s"] = round(inp.retry_after, 3)
     withdraw(step, q.call_id, f"permit refused: {inp.reason}", body)
+    from runtime._decide_supervise import on_dependency_refused
+
+    on_dependency_refused(step, inp.reason, inp.message, q.tool)  # issue 12: a breaker open degrades
 
 
 def dispatch(step: Step, q: QueuedCall, guard: GuardPermit | None, sandbox: SandboxPermit | None) -> None:

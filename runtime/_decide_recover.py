@@ -163,3 +163,6 @@ def on_recovered(step: Step, inp: Recovered) -> None:
         step.do(StartTimer(timer))  # local timers died with the actor; durable ones are stored again
     _ensure_deadline(step)
     RECOVERY[step.record.state](step)
+    from runtime._decide_children import reattach
+
+    reattach(step)  # issue 12: a restarted parent waits for its live children again

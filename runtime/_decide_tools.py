@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from runtime import _decide_children as children
+from runtime import _decide_supervise as supervise
 from runtime._decide_approval import hold
 from runtime._decide_cleanup import (
     cleanup_timed_out,
@@ -32,7 +34,6 @@ from runtime._decide_cleanup import (
 )
 from runtime._decide_commit import repair_attempt, repair_failed, repair_succeeded
 from runtime._decide_dispatch import queue_for_permit, refusal, refuse_call, stop_requested
-from runtime._decide_finalize import enter_finalizing
 from runtime._step import Step
 from runtime.decisions import expired_calls, on_tool_result
 from runtime.effects import ProbeTool, ReleasePermit
@@ -50,7 +51,7 @@ from runtime.operations import Operation
 from runtime.ports import OutcomeClass, Settlement, ToolCallProposal
 from runtime.record import QueueStage, TimerKind
 from runtime.retry import RetryAction, after_probe, decide_retry
-from runtime.states import ExitReason, TrajectoryState
+from runtime.states import TrajectoryState
 from runtime.tools import ToolArgumentsInvalid, UnknownTool
 from runtime.watchdog import WatchdogStep
 
@@ -87,10 +88,11 @@ def _observe(step: Step, p: ToolCallProposal, args: Mapping[str, Any] | None) ->
         # an invalid call has no canonical arguments: its exact text is what repeats
         fingerprint = call_fingerprint(p.tool, {"raw_arguments": p.raw_arguments})
         coarse = None
-    watchdog_step = WatchdogStep(fingerprint, coarse, None)
+    waiting = supervise.waiting_on_job(step, p.tool, args)  # issue 12: polling a running job is exempt
+    watchdog_step = WatchdogStep(fingerprint, coarse, None, waiting)
     _, verdict = step.record.watchdog.observe(watchdog_step)
     fired = verdict.guard.value if verdict.fired and verdict.guard is not None else None
-    step.emit(CallObserved(p.call_id, p.tool, fingerprint, coarse, None, False, fired))
+    step.emit(CallObserved(p.call_id, p.tool, fingerprint, coarse, None, waiting, fired))
     return fired
 
 
@@ -112,11 +114,11 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
             repair_failed(step, p.tool, "its arguments were rejected before dispatch")
         if problem is not None:
             refuse_call(step, p.call_id, problem)
-        if fired is not None:
-            step.emit(StateChanged(S.CALLING_MODEL, S.READY, f"watchdog: {fired}"))
-            enter_finalizing(step, ExitReason.ERROR, f"watchdog {fired} stopped a loop")
+        # issue 12: disclosure rules and the watchdog ladder (inform, constrain, hold)
+        screened = supervise.screen(step, p, args, fired)
+        if screened == supervise.Screen.STOP:
             return
-        if args is not None:
+        if args is not None and screened == supervise.Screen.PASS:
             valid.append((p, args))
     if exhausted:
         # the recovery budget is spent: no automatic path remains, so a person inspects (§12.4.4)
@@ -144,6 +146,9 @@ def route(step: Step, proposals: tuple[ToolCallProposal, ...]) -> None:
         return
     step.emit(StateChanged(S.CALLING_MODEL, S.WAITING_TOOL, f"dispatching {len(valid)} call(s)"))
     for p, args in valid:
+        if children.is_delegation(step, p.tool):  # issue 12: a delegated call becomes a child trajectory
+            children.spawn(step, p, args)
+            continue
         queue_for_permit(step, p.call_id, p.tool, args)
 
 
@@ -210,6 +215,15 @@ def _follow(step: Step, call_id: str, tool: str, op: Operation, action: RetryAct
     queued = step.record.queued.get(call_id)
     args = queued.arguments if queued is not None else _arguments_of(step, op)
     contract = step.policy.registry.get(tool)
+    if not step.record.grants.allows(tool) and action in (RetryAction.RETRY, RetryAction.PROBE):
+        # issue 12: the grant narrowed (an incident, a degraded rung): nothing more is sent for this call;
+        # a probe still asks what became of the effect, since recovery is not model-directed work
+        if queued is not None:
+            step.emit(ToolCallWithdrawn(call_id, "grant narrowed: not retried"))
+        if action is RetryAction.PROBE and contract.probe:
+            deadline = step.now + step.policy.probe_timeout_s
+            step.do(ProbeTool(op.operation_id, tool, op.effect_key, deadline))
+        return
     if action is RetryAction.RETRY:
         request_id = step.new_id("retry")
         step.emit(ToolCallQueued(call_id, tool, args, QueueStage.BACKOFF, request_id, op.operation_id))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from runtime import _decide_children as children
+from runtime import _decide_supervise as supervise
 from runtime import decisions
 from runtime._decide_approval import awaiting
 from runtime._decide_cleanup import operator_act
@@ -131,6 +133,9 @@ def _ready(step: Step) -> bool:
         return False  # waiting for admission, or a backoff
     if _assess_budget(step):
         return True
+    held = supervise.at_boundary(step)  # issue 12: holds, turn-level watchdogs, degradation triggers
+    if held is not None:
+        return held
     if step.record.refusals > step.policy.max_refusals:
         enter_finalizing(step, ExitReason.REFUSED, "the model refused repeatedly")
         return True
@@ -210,8 +215,10 @@ def _waiting_tool(step: Step) -> bool:
             withdraw(step, q.call_id, "not sent: pause requested", body)
     if _deadline_passed(step) and (step.record.pending_calls or step.record.queued):
         abandon_calls(step, "trajectory deadline passed")
+    if _deadline_passed(step) or (stop is not None and stop.action is not ControlAction.PAUSE):
+        children.cascade(step, False, "the parent stopped waiting")  # issue 12: cancel reaches children
     rec = step.record
-    if not rec.pending_calls and not rec.queued:
+    if not rec.pending_calls and not rec.queued and not children.waiting(step):  # issue 12: children
         step.emit(StateChanged(S.WAITING_TOOL, S.READY, "tool calls settled"))
         return True
     return False
@@ -288,6 +295,8 @@ def _request_turn(step: Step) -> bool:
     prompt = estimate_tokens(messages, tools)
     max_tokens = _affordable_max_tokens(step, prompt)
     if max_tokens is None:
+        if step.policy.reserve.dollars > 0 and supervise.reserve_reached(step):
+            return True  # issue 12: reaching the reserve is a degradation trigger, not a plain halt
         halt_unfundable(step)
         return True
     rec = step.record
@@ -396,7 +405,8 @@ def _after_reply(step: Step, reply: ModelReply) -> None:
     stop = reply.stop_reason
     if stop is StopReason.END_TURN:
         step.emit(ObservationAppended(ObservationKind.ASSISTANT, reply.text))
-        enter_finalizing(step, ExitReason.COMPLETED, "the model ended its turn")
+        # issue 12: on the assisted rung an end of turn is a plan for a person, not a completion claim
+        enter_finalizing(step, supervise.completion_exit(step), "the model ended its turn")
         return
     if stop is StopReason.MAX_TOKENS:
         # quarantine: a truncated reply is never parsed into calls, whatever it contains
@@ -459,6 +469,8 @@ def on_control(step: Step, inp: ControlReceived) -> None:
     settle or handoff acts on what the trajectory owes, at once and in any state."""
     if inp.action in (ControlAction.SETTLE, ControlAction.HANDOFF):
         operator_act(step, inp)
+        return
+    if supervise.on_control(step, inp):  # issue 12: hold, release, acknowledge; resume under a hold
         return
     rec = step.record
     payload: dict[str, JsonValue] = dict(inp.payload)

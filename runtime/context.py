@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from runtime.events import (
+    ChildCancelled,
+    ChildSettled,
     Event,
     ObservationAppended,
     ObservationKind,
@@ -67,6 +69,13 @@ def build_messages(events: Iterable[Event], system_prompt: str | None = None) ->
             if ev.settlement is Settlement.ESTABLISHED:
                 body["result"] = ev.result
             answers[ev.call_id] = json.dumps(body, sort_keys=True, ensure_ascii=False, default=str)
+        elif isinstance(ev, ChildSettled):  # issue 12: a delegated call's answer is its child's report
+            answers[ev.call_id] = json.dumps(dict(ev.report), sort_keys=True, ensure_ascii=False, default=str)
+        elif isinstance(ev, ChildCancelled):
+            answers.setdefault(
+                ev.call_id,
+                json.dumps({"status": "CANCELLED", "message": f"The child was stopped ({ev.reason})."}),
+            )
         elif isinstance(ev, ObservationAppended) and ev.observation is ObservationKind.REFUSAL:
             assert ev.call_id is not None  # guaranteed by ObservationAppended's own validation
             answers[ev.call_id] = ev.content

@@ -13,20 +13,24 @@ does not exist.
 
 Inputs (``runtime.inputs``): ``Started``, ``Recovered``, ``AdmissionGranted``, ``AdmissionDenied``,
 ``ModelReplied``, ``ModelFailed``, ``ModelCancelled``, ``PermitGranted``, ``PermitRefused``,
-``ToolOutcomeReceived``, ``ProbeAnswered``, ``ControlReceived``, ``ControlRefused``, ``TimerDue`` (one line
-each in that module's table). Effects (``runtime.effects``): ``RequestAdmission``, ``CallModel``,
-``CancelModelStream``, ``SettleAdmission``, ``ReportLimits``, ``AcquirePermit``, ``ReleasePermit``,
-``DispatchTool``, ``ProbeTool``, ``CancelToolCall``, ``StartTimer``, ``CancelTimer``, ``KillProcesses``,
-``Hibernate`` (one line each in that module's table).
+``ToolOutcomeReceived``, ``ProbeAnswered``, ``ControlReceived``, ``ControlRefused``, ``TimerDue``,
+``ChildFinished`` (one line each in that module's table). Effects (``runtime.effects``):
+``RequestAdmission``, ``CallModel``, ``CancelModelStream``, ``SettleAdmission``, ``ReportLimits``,
+``AcquirePermit``, ``ReleasePermit``, ``DispatchTool``, ``ProbeTool``, ``CancelToolCall``, ``StartTimer``,
+``CancelTimer``, ``KillProcesses``, ``Hibernate``, ``PublishEscalation``, ``OpenIncident``, ``SpawnChild``,
+``CancelChild`` (one line each in that module's table).
 
 Where the rules live: the turn, admission, the model call and control at the boundary in
 ``runtime._decide_turn``; tool calls, permits, dispatch, outcomes, retries and probes in
 ``runtime._decide_tools`` (its docstring says where a lost tool reply goes) and ``runtime._decide_dispatch``
 (permits, admission, intent before effect); the approval gate in
 ``runtime._decide_approval``; FINALIZING in ``runtime._decide_finalize``; recovery, one row per state, in
-``runtime._decide_recover``. After each input's own rule, ``advance`` carries the record as far as it goes
-without waiting for anything outside (a settled tool call returns to READY, which applies pending control,
-checks the deadline and the budget and asks for the next turn, all in the same decision).
+``runtime._decide_recover``; supervision (the watchdog ladder, holds, incidents, degradation, escalations)
+in ``runtime._decide_supervise`` and delegation to child trajectories in ``runtime._decide_children``,
+hooked into the modules above at points marked "issue 12". After each input's own rule, ``advance``
+carries the record as far as it goes without waiting for anything outside (a settled tool call returns to
+READY, which applies pending control, checks the deadline and the budget and asks for the next turn, all in
+the same decision); then ``after_decision`` opens the escalations the decision's events call for.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime import _decide_supervise as supervise
+from runtime._decide_children import on_child_finished
 from runtime._decide_dispatch import on_permit_granted, on_permit_refused, retry_due
 from runtime._decide_recover import on_recovered, on_started
 from runtime._decide_tools import call_timed_out, on_probe_answered, on_tool_outcome
@@ -57,6 +63,7 @@ from runtime.fold import apply
 from runtime.inputs import (
     AdmissionDenied,
     AdmissionGranted,
+    ChildFinished,
     ControlReceived,
     ControlRefused,
     Input,
@@ -127,6 +134,7 @@ _RULES: Mapping[type, Callable[[Step, Any], None]] = {
     ControlReceived: on_control,
     ControlRefused: on_control_refused,
     TimerDue: _timer_due,
+    ChildFinished: on_child_finished,  # issue 12: delegation (runtime._decide_children)
 }
 
 
@@ -138,4 +146,5 @@ def decide(record: TrajectoryRecord, input: Input, now: float) -> Decision:
     step = Step(record, now)
     rule(step, input)
     advance(step)
+    supervise.after_decision(step, 0)  # issue 12: escalation triggers, publishing escalations
     return Decision(tuple(step.events), tuple(step.effects), step.reply)

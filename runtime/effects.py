@@ -21,13 +21,23 @@ Each line: the effect — what the interpreter does — the input its result bec
 - ``KillProcesses``     — kills the trajectory's sandboxed process groups at once — none
 - ``Hibernate``         — the actor exits; the record stays in Redis; timers and signals wake it — none
 - ``ReleaseLease``      — gives a lease back (a workspace is torn down and removed) — none
+- ``PublishEscalation`` — writes an escalation (opened, taken into custody, resolved) to the cluster's
+                          escalation registry (``tether escalations``) — none
+- ``OpenIncident``      — records an incident this trajectory opened (a disclosure rule) in the incident
+                          store (``tether incident``), quarantining what the trajectory produced — none
+- ``SpawnChild``        — starts a child trajectory (its own actor) under a delegation contract and waits
+                          for it — ``ChildFinished``
+- ``CancelChild``       — cancels or kills a child trajectory (the cascade of cancel and kill) — none
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TypeAlias
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
+from runtime.delegation import DelegationContract
+from runtime.escalation import Escalation
 from runtime.ports import (
     GuardPermit,
     ModelRequest,
@@ -42,6 +52,7 @@ from runtime.record import Lease, Timer
 __all__ = [
     "AcquirePermit",
     "CallModel",
+    "CancelChild",
     "CancelModelStream",
     "CancelTimer",
     "CancelToolCall",
@@ -49,12 +60,15 @@ __all__ = [
     "Effect",
     "Hibernate",
     "KillProcesses",
+    "OpenIncident",
     "ProbeTool",
+    "PublishEscalation",
     "ReleaseLease",
     "ReleasePermit",
     "ReportLimits",
     "RequestAdmission",
     "SettleAdmission",
+    "SpawnChild",
     "StartTimer",
 ]
 
@@ -163,6 +177,40 @@ class ReleaseLease:
     lease: Lease
 
 
+# --------------------------------------------------------------------------- supervision (issue 12)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishEscalation:
+    escalation: Escalation
+
+
+@dataclass(frozen=True, slots=True)
+class OpenIncident:
+    """An incident this trajectory opened itself. ``member`` is its metadata (``runtime.incident``);
+    ``artifacts``: what it produced so far (result digests and ids), to quarantine."""
+
+    incident_id: str
+    trajectory_id: str
+    symptom: str
+    suspected_cause: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    member: Mapping[str, Any] = field(default_factory=dict)
+    artifacts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnChild:
+    contract: DelegationContract
+
+
+@dataclass(frozen=True, slots=True)
+class CancelChild:
+    child_id: str
+    kill: bool
+    reason: str
+
+
 Effect: TypeAlias = (
     RequestAdmission
     | CallModel
@@ -179,5 +227,9 @@ Effect: TypeAlias = (
     | KillProcesses
     | Hibernate
     | ReleaseLease
+    | PublishEscalation
+    | OpenIncident
+    | SpawnChild
+    | CancelChild
 )
 """Any effect of the decider."""

@@ -61,6 +61,15 @@ Budget, grants, pointers
   ``GrantNarrowed``       the grant shrinks (restrict stage, escalation); it never widens
   ``LeaseAcquired`` / ``LeaseReleased``  workspace, credential and sandbox leases
   ``PointerMoved``        context / workspace / snapshot / plan reference changed
+Supervision (issue 12)
+  ``HoldPlaced`` / ``HoldReleased``  the one hold flag (watchdog, control, incident) set and lifted
+  ``WatchdogFired``       a detector fired; the ladder's answer (inform, constrain, hold) and the evidence
+  ``ProgressObserved``    the declared task state's digest after a turn (turn-level detectors)
+  ``CallWithheld``        supervision withheld a proposed call before dispatch
+  ``EscalationOpened`` / ``EscalationAcknowledged`` / ``EscalationResolved``  owner, SLA, custody
+  ``IncidentOpened``      this trajectory opened an incident (a disclosure rule)
+  ``RungChanged``         the degradation ladder moved the trajectory down a rung
+  ``ChildSpawned`` / ``ChildSettled`` / ``ChildCancelled``  delegation to child trajectories
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ from enum import StrEnum
 from typing import ClassVar, TypeAlias
 
 from runtime.budget import BudgetStage
+from runtime.degradation import Rung
+from runtime.incident import HoldKind
 from runtime.obligations import ObligationState
 from runtime.ports import (
     GuardPermit,
@@ -104,15 +115,25 @@ __all__ = [
     "BudgetCharged",
     "BudgetStageChanged",
     "CallObserved",
+    "CallWithheld",
+    "ChildCancelled",
+    "ChildSettled",
+    "ChildSpawned",
     "CleanupDispatched",
     "CleanupSettled",
     "CompletionChecked",
     "ControlApplied",
     "ControlRejected",
     "ControlRequested",
+    "EscalationAcknowledged",
+    "EscalationOpened",
+    "EscalationResolved",
     "Event",
     "GrantNarrowed",
     "HandoffWritten",
+    "HoldPlaced",
+    "HoldReleased",
+    "IncidentOpened",
     "LateResultDropped",
     "LeaseAcquired",
     "LeaseReleased",
@@ -130,7 +151,9 @@ __all__ = [
     "OperatorActed",
     "PointerMoved",
     "PointerName",
+    "ProgressObserved",
     "RepairEpisodeChanged",
+    "RungChanged",
     "StateChanged",
     "TimerCancelled",
     "TimerFired",
@@ -148,6 +171,7 @@ __all__ = [
     "TurnRequested",
     "TurnStarted",
     "WallClockMeasured",
+    "WatchdogFired",
 ]
 
 
@@ -826,6 +850,203 @@ class PointerMoved:
         _id(self.ref, "ref")
 
 
+# --------------------------------------------------------------------------- supervision (issue 12)
+#
+# Holds, the watchdog ladder, escalations, incidents, the degradation ladder and delegation. Their rules are
+# in ``runtime._decide_supervise`` / ``runtime._decide_children``; their handlers in
+# ``runtime._handlers_supervise``.
+
+
+@dataclass(frozen=True, slots=True)
+class HoldPlaced:
+    """The hold flag is set: no new model-directed work (a watchdog's, an operator's or an incident's)."""
+
+    kind: ClassVar[str] = "hold_placed"
+    hold_kind: HoldKind
+    reason: str
+    issuer: str
+    at: float
+    incident_id: str | None = None
+    escalation_id: str | None = None
+    guard: str | None = None
+    expires_at: float | None = None
+
+    def __post_init__(self) -> None:
+        _id(self.issuer, "issuer")
+        _time(self.at, "at")
+        _check(self.hold_kind is not HoldKind.INCIDENT or bool(self.incident_id), "an incident hold names it")
+
+
+@dataclass(frozen=True, slots=True)
+class HoldReleased:
+    kind: ClassVar[str] = "hold_released"
+    hold_kind: HoldKind
+    issuer: str
+    reason: str = ""
+    incident_id: str | None = None  # an incident's hold lifts when its last incident is released
+
+    def __post_init__(self) -> None:
+        _id(self.issuer, "issuer")
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogFired:
+    """A detector fired and the ladder answered with ``rung`` (its ``count``-th firing since a release).
+    ``evidence``: the finding (window indices, fingerprints or digests), as the escalation carries it."""
+
+    kind: ClassVar[str] = "watchdog_fired"
+    guard: str
+    rung: str
+    count: int
+    detail: str
+    call_id: str | None = None
+    evidence: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _id(self.guard, "guard")
+        _check(self.count >= 1, "count must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressObserved:
+    """The declared task state's digest after turn ``turn`` (None: no projection declared), one step of
+    the turn-level detectors; ``waiting_on_job``: the turn only polled a running job (exempt)."""
+
+    kind: ClassVar[str] = "progress_observed"
+    turn: int
+    digest: str | None
+    waiting_on_job: bool
+    results_seen: int
+
+    def __post_init__(self) -> None:
+        _check(self.turn >= 1 and self.results_seen >= 0, "turn >= 1 and results_seen >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class CallWithheld:
+    """Supervision withheld a proposed call before dispatch (watchdog, disclosure rule, hold)."""
+
+    kind: ClassVar[str] = "call_withheld"
+    call_id: str
+    tool: str
+    by: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EscalationOpened:
+    kind: ClassVar[str] = "escalation_opened"
+    escalation_id: str
+    trigger: str
+    summary: str
+    owner: str
+    opened_at: float
+    due_at: float
+    evidence: Mapping[str, JsonValue] = field(default_factory=dict)
+    handoff: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("escalation_id", "trigger", "owner"):
+            _id(getattr(self, name), name)
+        _time(self.opened_at, "opened_at")
+        _time(self.due_at, "due_at")
+        _check(self.due_at >= self.opened_at, "due_at is not before opened_at")
+
+
+@dataclass(frozen=True, slots=True)
+class EscalationAcknowledged:
+    """Custody transferred to ``custodian``, the verified signer of control message ``message_id``."""
+
+    kind: ClassVar[str] = "escalation_acknowledged"
+    escalation_id: str
+    custodian: str
+    at: float
+    message_id: str
+
+    def __post_init__(self) -> None:
+        _id(self.custodian, "custodian")
+        _time(self.at, "at")
+
+
+@dataclass(frozen=True, slots=True)
+class EscalationResolved:
+    kind: ClassVar[str] = "escalation_resolved"
+    escalation_id: str
+    resolution: str
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentOpened:
+    """This trajectory opened an incident itself (a disclosure rule): symptom and suspected cause apart."""
+
+    kind: ClassVar[str] = "incident_opened"
+    incident_id: str
+    symptom: str
+    suspected_cause: str
+    evidence: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _id(self.incident_id, "incident_id")
+        _id(self.symptom, "symptom")
+
+
+@dataclass(frozen=True, slots=True)
+class RungChanged:
+    """The degradation ladder moved the trajectory to ``rung`` on ``trigger``."""
+
+    kind: ClassVar[str] = "rung_changed"
+    rung: Rung
+    trigger: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpawned:
+    """A delegated call became a child trajectory; its allocation is charged to this one at once."""
+
+    kind: ClassVar[str] = "child_spawned"
+    child_id: str
+    call_id: str
+    goal: str
+    allocation: Mapping[str, float]
+    deadline: float
+
+    def __post_init__(self) -> None:
+        _id(self.child_id, "child_id")
+        _time(self.deadline, "deadline")
+        for dim, amount in self.allocation.items():
+            _amount(amount, f"allocation.{dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSettled:
+    """A child ended: the parent's verdict on its evidence, and what it really spent (which replaces its
+    allocation in this trajectory's spend). ``report`` is what the parent's model is told."""
+
+    kind: ClassVar[str] = "child_settled"
+    child_id: str
+    call_id: str
+    verified: bool
+    detail: str
+    spent: Mapping[str, float]
+    report: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for dim, amount in self.spent.items():
+            _amount(amount, f"spent.{dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildCancelled:
+    """Cancel or kill cascaded to a child: the parent stops waiting for it (its allocation stays charged
+    until its evidence arrives)."""
+
+    kind: ClassVar[str] = "child_cancelled"
+    child_id: str
+    call_id: str
+    reason: str
+
+
 Event: TypeAlias = (
     TrajectoryCreated
     | StateChanged
@@ -874,6 +1095,19 @@ Event: TypeAlias = (
     | LeaseAcquired
     | LeaseReleased
     | PointerMoved
+    | HoldPlaced
+    | HoldReleased
+    | WatchdogFired
+    | ProgressObserved
+    | CallWithheld
+    | EscalationOpened
+    | EscalationAcknowledged
+    | EscalationResolved
+    | IncidentOpened
+    | RungChanged
+    | ChildSpawned
+    | ChildSettled
+    | ChildCancelled
 )
 """Any trajectory event."""
 
@@ -927,6 +1161,19 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         LeaseAcquired,
         LeaseReleased,
         PointerMoved,
+        HoldPlaced,
+        HoldReleased,
+        WatchdogFired,
+        ProgressObserved,
+        CallWithheld,
+        EscalationOpened,
+        EscalationAcknowledged,
+        EscalationResolved,
+        IncidentOpened,
+        RungChanged,
+        ChildSpawned,
+        ChildSettled,
+        ChildCancelled,
     )
 }
 """Event class by its ``kind`` tag (what the codec writes and reads)."""

@@ -30,14 +30,25 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from runtime import _handlers_cleanup, _handlers_governance, _handlers_tools, _handlers_turn
+from runtime import (
+    _handlers_cleanup,
+    _handlers_governance,
+    _handlers_supervise,
+    _handlers_tools,
+    _handlers_turn,
+)
 from runtime._handlers_common import Handler, refuse
 from runtime.budget import BudgetCeilings, BudgetStage, Spend
 from runtime.decisions import expired_calls, on_control, on_tool_result, retry_of
 from runtime.errors import IllegalEvent, IllegalTransition, InvalidLog
 from runtime.events import (
+    ChildCancelled,
+    ChildSettled,
     CleanupSettled,
     ControlRejected,
+    EscalationAcknowledged,
+    EscalationOpened,
+    EscalationResolved,
     Event,
     LateResultDropped,
     ObligationBound,
@@ -79,6 +90,16 @@ AFTER_TERMINAL_KINDS: frozenset[str] = frozenset(
         CleanupSettled.kind,
         OperatorActed.kind,
     }
+) | frozenset(
+    # issue 12: escalations outlive the loop (operations in doubt at the end, custody taken afterwards),
+    # and a child's evidence settles what its parent was charged for it
+    {
+        EscalationOpened.kind,
+        EscalationAcknowledged.kind,
+        EscalationResolved.kind,
+        ChildSettled.kind,
+        ChildCancelled.kind,
+    }
 )
 """Events a terminal record still accepts. They record audit or settlement evidence and change no state:
 liability for an effect outlives the loop that caused it (recovery chapter), but nothing revives the loop."""
@@ -89,6 +110,7 @@ _HANDLERS: Mapping[type, Handler] = {
     **_handlers_turn.HANDLERS,
     **_handlers_tools.HANDLERS,
     **_handlers_governance.HANDLERS,
+    **_handlers_supervise.HANDLERS,  # issue 12
     **_handlers_cleanup.HANDLERS,
 }
 

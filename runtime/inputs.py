@@ -18,6 +18,7 @@ the actor started, an effect finished, a control message arrived, a timer fired 
 - ``ControlReceived``     a verified control message arrived (pause, resume, cancel, kill, approve, ...)
 - ``ControlRefused``      the shell refused a control message before the record (signature, role, ...)
 - ``TimerDue``            an armed timer came due (locally, or from the cluster's timer service)
+- ``ChildFinished``       a child trajectory ended: the evidence its parent read from the child's own log
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+from runtime.delegation import ChildEvidence
 from runtime.ports import (
     GuardPermit,
     ModelReply,
@@ -41,6 +43,7 @@ from runtime.record import ControlAction, JsonValue
 __all__ = [
     "AdmissionDenied",
     "AdmissionGranted",
+    "ChildFinished",
     "ControlReceived",
     "ControlRefused",
     "Input",
@@ -183,6 +186,15 @@ class TimerDue:
     timer_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class ChildFinished:
+    """A child trajectory ended (issue 12). ``evidence`` is what the parent's interpreter read from the
+    child's durable log; the child's own claim about its work is in it, marked untrusted."""
+
+    child_id: str
+    evidence: ChildEvidence
+
+
 Input: TypeAlias = (
     Started
     | Recovered
@@ -198,5 +210,6 @@ Input: TypeAlias = (
     | ControlReceived
     | ControlRefused
     | TimerDue
+    | ChildFinished
 )
 """Any input of the decider."""

@@ -15,6 +15,7 @@ from runtime.budget import PriceTable, StageThresholds
 from runtime.deadline import FinalizationReserve
 from runtime.errors import InputError
 from runtime.retry import RetryPolicy
+from runtime.supervision import SupervisionPolicy
 from runtime.tools import ToolRegistry
 from runtime.watchdog import WatchdogConfig
 
@@ -58,6 +59,9 @@ class TrajectoryPolicy:
     repair_fallback_cost: float | None = None  # C_f: compensating and rebuilding to the same point
     workspace: str | None = None  # the trajectory's sandbox workspace: a lease released in FINALIZING
     credentials: tuple[str, ...] = ()  # credential leases the trajectory holds, released in FINALIZING
+    # issue 12: the watchdog ladder, task-state projection, disclosure rules, escalation routes,
+    # degradation ladder and delegation template (runtime.supervision)
+    supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)
 
     def __post_init__(self) -> None:
         for name in ("tool_timeout_s", "probe_timeout_s", "approval_timeout_s", "model_backoff_base_s"):

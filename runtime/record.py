@@ -20,11 +20,13 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, TypeAlias
 
 from runtime.budget import BudgetCeilings, BudgetStage, Spend
+from runtime.incident import Hold
 from runtime.obligations import Obligation
 from runtime.operations import Operation
 from runtime.ports import GuardPermit, SandboxPermit
 from runtime.repair import RepairEpisode
 from runtime.states import TERMINAL_STATES, ExitReason, TrajectoryState
+from runtime.supervision import SupervisionState
 from runtime.watchdog import WatchdogState
 
 if TYPE_CHECKING:
@@ -92,6 +94,10 @@ class ControlAction(StrEnum):
     DENY = "deny"
     SETTLE = "settle"  # an operator settles an unknown operation or a stuck obligation (with evidence)
     HANDOFF = "handoff"  # an operator takes (or assigns) custody of what the trajectory still owes
+    # issue 12: holds and custody (applied on arrival, never left pending)
+    HOLD = "hold"  # place a control hold, or an incident's hold (payload ``incident_id``)
+    RELEASE = "release"  # lift a hold (an incident's only with its ``incident_id``)
+    ACKNOWLEDGE = "acknowledge"  # take custody of an escalation (payload ``escalation_id``)
 
 
 class ApprovalDecision(StrEnum):
@@ -140,10 +146,16 @@ class TimerKind(StrEnum):
     BACKOFF = "backoff"  # the next model call waits out a backoff
     CALL_DEADLINE = "call_deadline"  # a dispatched tool call's deadline
     RETRY = "retry"  # a tool operation's next attempt waits out its backoff
+    HOLD_EXPIRY = "hold_expiry"  # a watchdog hold the policy ends if nobody resumed it (durable)
 
     @property
     def durable(self) -> bool:
-        return self in (TimerKind.DEADLINE, TimerKind.RESERVE, TimerKind.APPROVAL_EXPIRY)
+        return self in (
+            TimerKind.DEADLINE,
+            TimerKind.RESERVE,
+            TimerKind.APPROVAL_EXPIRY,
+            TimerKind.HOLD_EXPIRY,
+        )
 
 
 class QueueStage(StrEnum):
@@ -428,6 +440,9 @@ class TrajectoryRecord:
     repairs: Mapping[str, RepairEpisode] = field(default_factory=dict)  # the latest episode per tool
     # the workload's policy for this trajectory (not folded: it comes from the launch, see runtime.policy)
     policy: TrajectoryPolicy = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    # issue 12: the one hold flag (watchdog, control, incident) and what supervision folds from the log
+    hold: Hold | None = None
+    supervision: SupervisionState = field(default_factory=SupervisionState)
 
     @property
     def is_terminal(self) -> bool:

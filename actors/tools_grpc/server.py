@@ -7,8 +7,12 @@ JSON-compatible result, or raises ``ToolError`` to refuse without applying anyth
 - propagates the deadline: the tool gets ``ctx.time_remaining()`` from the earlier of the gRPC deadline
   (``context.time_remaining()``) and the request's absolute deadline, and a call that arrives past its
   deadline is refused before any effect;
-- deduplicates by effect key when asked to (an applied key returns its stored result, a running key
-  is joined, never applied twice);
+- deduplicates by effect key only when asked to (``dedupe_effect_keys=True``: an applied key returns
+  its stored result, a running key is joined, never applied twice). The default is off: a service
+  that promises deduplication says so, and a test service that must show a re-dispatch (the testbed)
+  applies every delivery;
+- tells its hooks about every physical delivery (``arrived``) and what became of it (``disposed``),
+  before any check, so an independent record can count deliveries apart from applied effects;
 - answers Probe and Cancel from its effect table, fencing unseen keys so "absent" stays true;
 - offers ``ServerHooks`` (no-op by default) where a testbed injects faults.
 
@@ -23,6 +27,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from types import TracebackType
 from typing import Any
 
@@ -38,7 +43,7 @@ from actors.tools_grpc.status_map import RETRY_AFTER_KEY
 from runtime.clock import Clock, SystemClock
 from runtime.errors import InputError
 
-__all__ = ["ServerHooks", "ToolContext", "ToolFn", "ToolServer", "ToolSpec"]
+__all__ = ["Disposition", "ServerHooks", "ToolContext", "ToolFn", "ToolServer", "ToolSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +100,33 @@ class ToolContext:
         await self._clock.sleep(seconds)
 
 
+class Disposition(StrEnum):
+    """What the server did with one delivery of an Invoke."""
+
+    LATE = "late"  # arrived past its deadline: refused before any effect
+    FENCED = "fenced"  # carried a fence below the key's (issued before a probe/cancel): refused
+    APPLIED = "applied"  # handed to the tool, which applied the effect
+    DEDUPLICATED = "deduplicated"  # answered from (or joined to) an earlier delivery of the key
+    REFUSED = "refused"  # handed to the tool, which refused before any effect (established absent)
+    UNKNOWN = "unknown"  # handed to the tool, which crashed mid-way
+
+
 class ServerHooks:
     """Extension points around each call; the defaults do nothing. A fault injector overrides them."""
 
-    def honour_effect_keys(self, call: ToolCall) -> bool:
-        """Whether this call may be deduplicated by its effect key (when the server dedupes at all)."""
-        return True
+    def arrived(self, call: ToolCall, prior: EffectState | None) -> object:
+        """A decoded Invoke reached the server, before any check; ``prior`` is the key's state then
+        (``None``: no earlier delivery). Returns a token handed back to ``disposed``."""
+        return None
+
+    def disposed(self, token: object, disposition: Disposition, reply: str) -> None:
+        """What became of the delivery ``token``: its disposition and its reply (``answered``,
+        ``dropped``, ``abandoned`` (the caller stopped waiting first) or ``error:<STATUS>``)."""
+
+    def honour_effect_keys(self, call: ToolCall) -> bool | None:
+        """Whether this call is deduplicated by its effect key; ``None``: the server's
+        ``dedupe_effect_keys`` decides."""
+        return None
 
     def deliveries(self, call: ToolCall) -> int:
         """How many times the request is handed to the tool (> 1 simulates duplicate delivery)."""
@@ -123,7 +149,7 @@ class ToolServer:
         self,
         tools: Iterable[ToolSpec],
         *,
-        dedupe_effect_keys: bool = True,
+        dedupe_effect_keys: bool = False,
         hooks: ServerHooks | None = None,
         clock: Clock | None = None,
         extra_servicers: Sequence[AddServicer] = (),
@@ -210,20 +236,33 @@ class ToolServer:
 
     async def deliver(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> tuple[EffectOutcome, bool]:
         """Hand ``call`` to its tool once; return the outcome and whether it was deduplicated."""
+        settles, deduplicated = self.start_delivery(spec, call, ctx)
+        # Shielded: when the caller's deadline cancels this RPC, the effect still settles its entry.
+        return await asyncio.shield(settles), deduplicated
+
+    def start_delivery(
+        self, spec: ToolSpec, call: ToolCall, ctx: ToolContext
+    ) -> tuple[asyncio.Future[EffectOutcome], bool]:
+        """Start (or, when the key is honoured, join) the effect of ``call``: the future that settles it,
+        and whether this delivery was deduplicated."""
         entry = self.effects.get(call.tool, call.effect_key)
-        if entry is not None and self.dedupe_effect_keys and self.hooks.honour_effect_keys(call):
+        honour = self.hooks.honour_effect_keys(call)
+        if honour is None:
+            honour = self.dedupe_effect_keys
+        if entry is not None and honour:
             if entry.state is EffectState.APPLIED:
-                return EffectOutcome(EffectState.APPLIED, result_json=entry.result_json), True
+                done: asyncio.Future[EffectOutcome] = asyncio.get_running_loop().create_future()
+                done.set_result(EffectOutcome(EffectState.APPLIED, result_json=entry.result_json))
+                return done, True
             if entry.state is EffectState.IN_FLIGHT and entry.task is not None:
-                return await asyncio.shield(entry.task), True
+                return entry.task, True
         task = self.effects.start(
             call.tool,
             call.effect_key,
             self._effect(spec, call, ctx),
             cancellable=spec.cancellable and spec.is_async,
         )
-        # Shielded: when the caller's deadline cancels this RPC, the effect still settles its entry.
-        return await asyncio.shield(task), False
+        return task, False
 
     async def _effect(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> EffectOutcome:
         try:
@@ -249,6 +288,16 @@ class ToolServer:
         return EffectOutcome(EffectState.APPLIED, result_json=result_json)
 
 
+def _disposition(state: EffectState, deduplicated: bool) -> Disposition:
+    if deduplicated:
+        return Disposition.DEDUPLICATED
+    if state is EffectState.APPLIED:
+        return Disposition.APPLIED
+    if state is EffectState.ABSENT:
+        return Disposition.REFUSED
+    return Disposition.UNKNOWN
+
+
 class _ToolServicer(pb_grpc.ToolServiceServicer):
     """The gRPC face of a ``ToolServer``: decoding, status codes, metadata."""
 
@@ -272,21 +321,37 @@ class _ToolServicer(pb_grpc.ToolServiceServicer):
             raise AssertionError("unreachable: abort raises") from e
         spec = await self._spec(call.tool, context)
         s = self._s
+        entry = s.effects.get(call.tool, call.effect_key)
+        token = s.hooks.arrived(call, entry.state if entry is not None else None)
         remaining = s.remaining(call, context.time_remaining())
         if remaining <= 0:
+            s.hooks.disposed(token, Disposition.LATE, "error:DEADLINE_EXCEEDED")
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"deadline passed {-remaining:.3f}s before arrival; not applied",
             )
         if call.fence < s.effects.fence(call.tool, call.effect_key):
+            s.hooks.disposed(token, Disposition.FENCED, "error:FAILED_PRECONDITION")
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"effect key {call.effect_key!r} was fenced by a probe or cancel; this attempt is refused",
             )
         ctx = ToolContext(call, s.clock.now() + remaining, s.clock)
-        outcome, deduplicated = await s.deliver(spec, call, ctx)
+        settles, deduplicated = s.start_delivery(spec, call, ctx)
+        try:
+            # Shielded: when the caller's deadline cancels this RPC, the effect still settles its entry.
+            outcome = await asyncio.shield(settles)
+        except asyncio.CancelledError:
+            # The caller stopped waiting (its deadline, a cancel): the delivery's fate is still recorded.
+            def abandoned(done: asyncio.Future[EffectOutcome]) -> None:
+                state = done.result().state if not done.cancelled() else EffectState.UNKNOWN
+                s.hooks.disposed(token, _disposition(state, deduplicated), "abandoned")
+
+            settles.add_done_callback(abandoned)
+            raise
         for _ in range(s.hooks.deliveries(call) - 1):
             await s.deliver(spec, call, ctx)
+        disposition = _disposition(outcome.state, deduplicated)
         if outcome.state is EffectState.APPLIED:
             reply = await s.hooks.after_effect(
                 call,
@@ -296,11 +361,15 @@ class _ToolServicer(pb_grpc.ToolServiceServicer):
                 ),
             )
             if reply is None:
+                s.hooks.disposed(token, disposition, "dropped")
                 return await self._drop(ctx, context)
+            s.hooks.disposed(token, disposition, "answered")
             return reply
+        code = outcome.code or grpc.StatusCode.INTERNAL
+        s.hooks.disposed(token, disposition, f"error:{code.name}")
         if outcome.retry_after is not None:
             context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{outcome.retry_after:.3f}"),))
-        await context.abort(outcome.code or grpc.StatusCode.INTERNAL, outcome.detail)
+        await context.abort(code, outcome.detail)
         raise AssertionError("unreachable: abort raises")
 
     @staticmethod

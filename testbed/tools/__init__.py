@@ -5,16 +5,27 @@ Run with ``python -m testbed.tools --port PORT``; regenerate ``testbed_tools_pb2
 ``python -m actors.tools_grpc.regen``.
 """
 
-from testbed.tools.faults import MALFORMED_PAYLOAD, FaultInjector, FaultMode, FaultPlan
+from testbed.tools.faults import MALFORMED_PAYLOAD, EffectKeys, FaultInjector, FaultMode, FaultPlan
 from testbed.tools.host import Testbed, TestbedClient, TestbedProcess, parse_fault_plans, start_testbed
-from testbed.tools.ledger import EffectCount, EnvironmentRecord, Ledger, LedgerSnapshot, NotificationRecord
+from testbed.tools.ledger import (
+    NOT_REPEATABLE,
+    DeliveryRecord,
+    EffectCount,
+    EnvironmentRecord,
+    Ledger,
+    LedgerSnapshot,
+    NotificationRecord,
+)
 from testbed.tools.services import SERVICES, TOOL_SERVICES, TestbedTools
 
 __all__ = [
     "MALFORMED_PAYLOAD",
+    "NOT_REPEATABLE",
     "SERVICES",
     "TOOL_SERVICES",
+    "DeliveryRecord",
     "EffectCount",
+    "EffectKeys",
     "EnvironmentRecord",
     "FaultInjector",
     "FaultMode",

@@ -1,4 +1,5 @@
-"""``python -m testbed.tools --port PORT [--services a,b] [--faults JSON] [--provision-s S]``
+"""``python -m testbed.tools --port PORT [--services a,b] [--faults JSON] [--provision-s S]
+[--effect-keys ignore|honour]``
 
 Serves the testbed tool services (ToolService + LedgerService + FaultControl) until SIGTERM/SIGINT.
 Prints ``ready HOST:PORT`` on stdout once bound.
@@ -13,6 +14,7 @@ import signal
 import sys
 
 from runtime.errors import InputError
+from testbed.tools.faults import EffectKeys
 from testbed.tools.host import parse_fault_plans, start_testbed
 from testbed.tools.services import SERVICES
 
@@ -26,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
         "--faults", default="{}", help='JSON {"service": {"mode": "drop_reply", ...}}; "" = every service'
     )
     p.add_argument("--provision-s", type=float, default=0.0, help="simulated provisioning time")
+    p.add_argument(
+        "--effect-keys",
+        choices=[m.value for m in EffectKeys],
+        default=EffectKeys.IGNORE.value,
+        help="ignore: apply every delivery (default); honour: answer a repeated effect key from the first",
+    )
     return p
 
 
@@ -36,6 +44,7 @@ async def _serve(args: argparse.Namespace) -> None:
         services=[s for s in args.services.split(",") if s],
         faults=parse_fault_plans(args.faults),
         provision_s=args.provision_s,
+        effect_keys=EffectKeys(args.effect_keys),
     )
     print(f"ready {testbed.address}", flush=True)
     stop = asyncio.Event()

@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -18,13 +18,16 @@ from typing import Any
 
 import grpc
 
+from actors.tools_grpc import tether_tools_pb2 as pb
 from actors.tools_grpc.client import CHANNEL_OPTIONS
-from actors.tools_grpc.server import ToolServer
+from actors.tools_grpc.codec import ToolCall
+from actors.tools_grpc.effects import EffectState
+from actors.tools_grpc.server import Disposition, ServerHooks, ToolContext, ToolServer
 from runtime.clock import Clock
 from runtime.errors import DependencyError, InputError
 from testbed.tools import testbed_tools_pb2 as tpb
 from testbed.tools import testbed_tools_pb2_grpc as tpb_grpc
-from testbed.tools.faults import FaultInjector, FaultPlan
+from testbed.tools.faults import EffectKeys, FaultInjector, FaultPlan
 from testbed.tools.ledger import Ledger, LedgerSnapshot
 from testbed.tools.services import SERVICES, TOOL_SERVICES, TestbedTools
 
@@ -36,21 +39,63 @@ _ledger_stub: Callable[[grpc.aio.Channel], Any] = tpb_grpc.LedgerServiceStub
 _faults_stub: Callable[[grpc.aio.Channel], Any] = tpb_grpc.FaultControlStub
 
 
-def parse_fault_plans(text: str) -> dict[str, FaultPlan]:
-    """``{"service": {plan...}, ...}`` JSON -> validated plans (``""`` as a key = every service)."""
+def parse_fault_plans(text: str) -> dict[str, list[FaultPlan]]:
+    """``{"service": plan | [plan, ...], ...}`` JSON -> validated rules (``""`` as a key = every service)."""
     try:
         raw = json.loads(text)
     except ValueError as e:
         raise InputError(f"not JSON: {e}", where="--faults") from e
     if not isinstance(raw, dict):
-        raise InputError("must be a JSON object mapping service name -> fault plan", where="--faults")
-    plans: dict[str, FaultPlan] = {}
-    for service, plan in raw.items():
-        try:
-            plans[service] = FaultPlan.model_validate(plan)
-        except ValueError as e:
-            raise InputError(str(e), where=f"--faults.{service}") from e
+        raise InputError("must be a JSON object mapping service name -> fault plan(s)", where="--faults")
+    plans: dict[str, list[FaultPlan]] = {}
+    for service, given in raw.items():
+        rules = given if isinstance(given, list) else [given]
+        plans[service] = []
+        for i, plan in enumerate(rules):
+            where = f"--faults.{service}" + (f"[{i}]" if isinstance(given, list) else "")
+            try:
+                plans[service].append(FaultPlan.model_validate(plan))
+            except ValueError as e:
+                raise InputError(str(e), where=where) from e
     return plans
+
+
+class _TestbedHooks(ServerHooks):
+    """The server hooks of the testbed: every delivery into the ledger, faults from the injector."""
+
+    def __init__(self, injector: FaultInjector, ledger: Ledger) -> None:
+        self._injector = injector
+        self._ledger = ledger
+
+    def arrived(self, call: ToolCall, prior: EffectState | None) -> object:
+        return self._ledger.arrived(
+            tool=call.tool,
+            effect_key=call.effect_key,
+            call_id=call.call_id,
+            attempt_id=call.attempt_id,
+            operation_id=call.operation_id,
+            trajectory_id=call.trajectory_id,
+            prior="new" if prior is None else prior.value,
+            deadline=call.deadline_epoch_s,
+        )
+
+    def disposed(self, token: object, disposition: Disposition, reply: str) -> None:
+        assert isinstance(token, int)
+        self._ledger.disposed(token, disposition.value, reply)
+
+    def honour_effect_keys(self, call: ToolCall) -> bool | None:
+        return self._injector.honour_effect_keys(call)
+
+    def deliveries(self, call: ToolCall) -> int:
+        return self._injector.deliveries(call)
+
+    async def before_effect(self, call: ToolCall, ctx: ToolContext) -> None:
+        await self._injector.before_effect(call, ctx)
+
+    async def after_effect(
+        self, call: ToolCall, ctx: ToolContext, reply: pb.InvokeReply
+    ) -> pb.InvokeReply | None:
+        return await self._injector.after_effect(call, ctx, reply)
 
 
 class _LedgerServicer(tpb_grpc.LedgerServiceServicer):
@@ -114,23 +159,27 @@ async def start_testbed(
     *,
     host: str = "127.0.0.1",
     services: Iterable[str] = SERVICES,
-    faults: Mapping[str, FaultPlan] | None = None,
-    dedupe_effect_keys: bool = True,
+    faults: Mapping[str, FaultPlan | Sequence[FaultPlan]] | None = None,
+    effect_keys: EffectKeys = EffectKeys.IGNORE,
     provision_s: float = 0.0,
     clock: Clock | None = None,
 ) -> Testbed:
-    """Start the testbed services in this process on ``host:port`` (0 = a free port)."""
+    """Start the testbed services in this process on ``host:port`` (0 = a free port).
+
+    ``effect_keys``: by default every delivery is applied, repeated key or not (see ``EffectKeys``).
+    """
     chosen = tuple(services)
     unknown = sorted(set(chosen) - set(SERVICES))
     if unknown:
         raise InputError(f"unknown services {unknown}; known: {list(SERVICES)}", where="services")
-    ledger = Ledger(clock)
+    mode = EffectKeys(effect_keys)
+    ledger = Ledger(clock, effect_keys=mode.value)
     tools = TestbedTools(ledger, provision_s=provision_s)
     injector = FaultInjector({t: s for t, s in TOOL_SERVICES.items() if s in chosen}, faults)
     server = ToolServer(
         tools.specs(chosen),
-        dedupe_effect_keys=dedupe_effect_keys,
-        hooks=injector,
+        dedupe_effect_keys=mode is EffectKeys.HONOUR,
+        hooks=_TestbedHooks(injector, ledger),
         clock=clock,
         extra_servicers=(
             lambda srv: _add_ledger(_LedgerServicer(ledger), srv),
@@ -211,19 +260,24 @@ class TestbedProcess:
         self,
         port: int,
         *,
-        faults: Mapping[str, FaultPlan] | None = None,
+        faults: Mapping[str, FaultPlan | Sequence[FaultPlan]] | None = None,
         services: Iterable[str] = SERVICES,
         provision_s: float = 0.0,
+        effect_keys: EffectKeys = EffectKeys.IGNORE,
         python: str = sys.executable,
     ) -> None:
         self.port = port
         self.address = f"127.0.0.1:{port}"
         self._argv = [python, "-m", "testbed.tools", "--port", str(port), "--services", ",".join(services)]
         if faults:
-            plans = {name: plan.model_dump(mode="json") for name, plan in faults.items()}
+            plans = {
+                name: [p.model_dump(mode="json") for p in ([plan] if isinstance(plan, FaultPlan) else plan)]
+                for name, plan in faults.items()
+            }
             self._argv += ["--faults", json.dumps(plans)]
         if provision_s:
             self._argv += ["--provision-s", str(provision_s)]
+        self._argv += ["--effect-keys", EffectKeys(effect_keys).value]
         self._proc: subprocess.Popen[str] | None = None
 
     def start(self, timeout_s: float = 20.0) -> TestbedProcess:

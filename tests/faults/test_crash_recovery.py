@@ -1,8 +1,12 @@
-"""Crash recovery: SIGKILL the trajectory actor's worker process mid-model-call and mid-tool-call.
+"""Crash recovery: SIGKILL the trajectory actor's worker process mid-model-call and mid-tool-call (the
+reliability guide's §13.3 row "Process is killed mid-step, then resumed").
 
 Ray restarts the actor (unlimited restarts) and retries the pending ``run()`` on the new incarnation, which
 folds the durable log and continues. The judges are the folded record (budget and spend carried over, never
-above the ceilings) and the testbed's independent ledger (no effect applied twice).
+above the ceilings) and the testbed's deliveries: its services apply every delivery, so a resumed
+trajectory that replayed a side effect shows a duplicate delivery (and effect). Each test has a control:
+the same crash with a log that forgets (``forgetful-log``: no checkpoint, every incarnation starts over),
+asserted to fail the same judge.
 """
 
 from __future__ import annotations
@@ -26,11 +30,16 @@ from runtime.events import (
     ToolResultAccepted,
 )
 from runtime.events import ToolDispatchIntent as Intent
+from runtime.fold import fold
 from runtime.record import TrajectoryRecord
 from testbed.provider import ProviderConfig, ProviderThread, start_provider_thread
 from testbed.tools import Testbed, TestbedClient, start_testbed
+from tests.faults.fault_kit import unique, until_delivered
+from tests.faults.mutations import MutatedAdapters
 from tests.integration.trajectory_kit import MODEL, events_of, make_launch, record_of, start
 
+# 480 s: each test waits for a real actor restart (a new worker process) and a slow provider (1.7 s per call)
+# on a shared 2-core machine; the bound only turns a hang into a failure.
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(480)]
 
 CEILINGS = {"turns": 12, "tokens": 20_000, "wall_seconds": 300, "dollars": 0.25}
@@ -69,9 +78,10 @@ async def _launch_and_kill(
     redis_url: str,
     kill_in: str,
     min_turns: int,
-) -> tuple[TrajectoryRecord, TrajectoryRecord, dict[str, object], int]:
-    """Run a two-provision trajectory, SIGKILL its worker once it is in ``kill_in``; return the record
-    folded at the kill, the final record, the run summary and the killed pid."""
+    mutation: str | None = None,
+) -> tuple[list[object], dict[str, object], int]:
+    """Run a two-provision trajectory, SIGKILL its worker once it is in ``kill_in``; return the log as it
+    was at the kill, the run summary and the killed pid."""
     launch = make_launch(
         name,
         base_url=provider.base_url,
@@ -83,19 +93,25 @@ async def _launch_and_kill(
         max_tokens=MAX_TOKENS,
         tool_timeout_s=20.0,
     )
-    handle = start(launch)
+    from actors.trajectory import ensure_actor
+
+    handle = start(launch) if mutation is None else ensure_actor(launch, MutatedAdapters(mutation=mutation))
     pid = await handle.pid.remote()  # asked first: nothing but the log poll stands between seeing and killing
     running = handle.run.remote()
-    await _until_in_flight(redis_url, name, kill_in, nth=min_turns)
+    at_kill = await _until_in_flight(redis_url, name, kill_in, nth=min_turns)
+    if kill_in == "WAITING_TOOL":
+        # in flight at the endpoint, not merely announced: the kill must land while the effect runs
+        [intent] = [e for e in at_kill if isinstance(e, Intent)][-1:]
+        await until_delivered(bed, intent.effect_key)
     os.kill(pid, signal.SIGKILL)
-    at_kill = await record_of(redis_url, name)
     summary = await running  # Ray retries run() on the restarted actor
-    after = await record_of(redis_url, name)
     assert await handle.pid.remote() != pid  # a new worker process carried on
-    return at_kill, after, summary, pid
+    return at_kill, summary, pid
 
 
-async def _until_in_flight(redis_url: str, name: str, kind: str, nth: int, timeout_s: float = 180.0) -> None:
+async def _until_in_flight(
+    redis_url: str, name: str, kind: str, nth: int, timeout_s: float = 180.0
+) -> list[object]:
     """Wait until the ``nth`` model call (``CALLING_MODEL``) or tool dispatch (``WAITING_TOOL``) is durably
     announced in the log and not yet answered: the effect is then in flight, whatever the status snapshot
     says (a state change is logged before the intent, and on a busy machine a kill can land between them)."""
@@ -112,20 +128,34 @@ async def _until_in_flight(redis_url: str, name: str, kind: str, nth: int, timeo
         if len(at) >= nth:
             if any(isinstance(e, answers) for e in events[at[nth - 1] + 1 :]):
                 raise AssertionError(f"{name}: call {nth} was answered before the poll saw it in flight")
-            return
+            return list(events)
         await asyncio.sleep(0.02)
     raise AssertionError(f"{name}: call {nth} was never announced within {timeout_s}s")
 
 
+@pytest.mark.parametrize("mutation", [None, "forgetful-log"], ids=["runtime", "control-forgetful-log"])
 async def test_sigkill_mid_model_call_recovers_without_resetting_the_budget(
-    ray_local: None, redis_url: str, slow_provider: ProviderThread, slow_testbed: Testbed
+    ray_local: None,
+    redis_url: str,
+    slow_provider: ProviderThread,
+    slow_testbed: Testbed,
+    mutation: str | None,
 ) -> None:
     # Given a trajectory in its second model call (one environment already provisioned)
     # When its worker process is killed with SIGKILL
-    at_kill, after, summary, _ = await _launch_and_kill(
-        "crash-model", slow_provider, slow_testbed, redis_url, "CALLING_MODEL", min_turns=2
+    name = unique("crash-model")
+    at_kill_events, summary, _ = await _launch_and_kill(
+        name, slow_provider, slow_testbed, redis_url, "CALLING_MODEL", min_turns=2, mutation=mutation
     )
-    events = await events_of(redis_url, "crash-model")
+    async with TestbedClient(slow_testbed.address) as client:
+        ledger = await client.ledger()
+    if mutation is not None:
+        # (control) a runtime that does not resume from its log provisions the first environment again
+        assert ledger.duplicate_deliveries() != [] and ledger.duplicate_effects() != []
+        return
+    events = await events_of(redis_url, name)
+    at_kill = fold(at_kill_events)  # type: ignore[arg-type]
+    after = await record_of(redis_url, name)
     # Then the restarted actor charged the lost call's reservation and went on to a terminal state
     lost = [e for e in events if isinstance(e, ModelCallFailed) and "restarted" in e.error]
     assert len(lost) == 1, "the kill did not land mid-model-call"
@@ -135,23 +165,35 @@ async def test_sigkill_mid_model_call_recovers_without_resetting_the_budget(
     tokens_at_kill = at_kill.spend.get(Dimension.TOKENS)
     assert after.spend.get(Dimension.TOKENS) >= tokens_at_kill + MAX_TOKENS
     assert_within_budget(after)
-    # And the testbed applied each provisioning exactly once
-    async with TestbedClient(slow_testbed.address) as client:
-        ledger = await client.ledger()
-    assert not ledger.duplicate_effects()
+    # And the testbed received each provisioning exactly once: nothing was replayed on resume
+    assert ledger.duplicate_deliveries() == [] and not ledger.duplicate_effects()
     dispatched = {e.effect_key for e in events if isinstance(e, Intent)}
-    assert len(ledger.environments) == len(dispatched) == 2
+    assert len(ledger.deliveries) == len(ledger.environments) == len(dispatched) == 2
 
 
+@pytest.mark.parametrize("mutation", [None, "forgetful-log"], ids=["runtime", "control-forgetful-log"])
 async def test_sigkill_mid_tool_call_never_repeats_the_effect(
-    ray_local: None, redis_url: str, slow_provider: ProviderThread, slow_testbed: Testbed
+    ray_local: None,
+    redis_url: str,
+    slow_provider: ProviderThread,
+    slow_testbed: Testbed,
+    mutation: str | None,
 ) -> None:
     # Given a trajectory whose provisioning call (4 s) is in flight
     # When its worker process is killed with SIGKILL
-    at_kill, after, summary, _ = await _launch_and_kill(
-        "crash-tool", slow_provider, slow_testbed, redis_url, "WAITING_TOOL", min_turns=1
+    name = unique("crash-tool")
+    at_kill_events, summary, _ = await _launch_and_kill(
+        name, slow_provider, slow_testbed, redis_url, "WAITING_TOOL", min_turns=1, mutation=mutation
     )
-    events = await events_of(redis_url, "crash-tool")
+    async with TestbedClient(slow_testbed.address) as client:
+        ledger = await client.ledger()
+    if mutation is not None:
+        # (control) a runtime that does not resume from its log sends the in-flight provisioning again
+        assert ledger.duplicate_deliveries() != []
+        return
+    events = await events_of(redis_url, name)
+    at_kill = fold(at_kill_events)  # type: ignore[arg-type]
+    after = await record_of(redis_url, name)
     # Then the in-flight call became in doubt on restart, and was settled by a probe or left unknown
     # with an owner -- never dispatched a second time (probe-then-retry only repeats what is absent)
     cancelled = [e for e in events if isinstance(e, ToolCallCancelled) and "restarted" in e.reason]
@@ -159,12 +201,11 @@ async def test_sigkill_mid_tool_call_never_repeats_the_effect(
     in_flight = next(e for e in events if isinstance(e, Intent) and e.call_id == cancelled[0].call_id)
     operation = after.operations[in_flight.operation_id]
     assert operation.attempts == 1
-    assert operation.settled or (operation.in_doubt and operation.owner == "crash-tool")
+    assert operation.settled or (operation.in_doubt and operation.owner == name)
     assert summary["state"] == "COMPLETED" and after.turn_count > at_kill.turn_count
     assert_within_budget(after)
-    # And the testbed's ledger shows no effect applied twice, at most one environment per effect key
-    async with TestbedClient(slow_testbed.address) as client:
-        ledger = await client.ledger()
-    assert not ledger.duplicate_effects()
+    # And the testbed's deliveries show no effect asked for twice: one delivery for the in-flight key
+    assert ledger.duplicate_deliveries() == [] and not ledger.duplicate_effects()
+    assert len(ledger.deliveries_for(in_flight.effect_key)) == 1
     assert len(ledger.environments_for(in_flight.effect_key)) <= 1
     assert len(ledger.environments) <= len({e.effect_key for e in events if isinstance(e, Intent)})

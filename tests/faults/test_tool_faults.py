@@ -1,8 +1,15 @@
-"""Fault injection against the testbed tool services, judged by the testbed's own ledger (read over
-gRPC from a separate process), never by what the runtime believes.
+"""The endpoint contracts the runtime's recovery relies on, judged by the testbed's own record of
+deliveries (read over gRPC from a separate process), never by what the caller believes.
 
 Recovery chapter, fault-test plan: "Lose the provisioning reply" -> the effect stays unknown, the
 endpoint's result-recovery contract settles it, and no second environment is provisioned blindly.
+These tests drive the gRPC tool port directly (no Ray): each plays the caller both ways, the way the
+settlement rules require (probe first) and the way they forbid (send again), and the judge must tell
+them apart. The same faults through the whole product (trajectory actors on Ray) are in
+``test_recovery_table.py`` and ``test_injections.py``.
+
+The testbed applies every delivery, seen effect key or not (``EffectKeys.IGNORE``, its default), so a
+repeat shows as a second effect; the one test that needs a service honouring effect keys names it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import pytest
 from actors.tools_grpc import GrpcToolPort
 from cluster.redis_server import free_port
 from runtime.ports import OutcomeClass, Settlement, ToolInvocation
-from testbed.tools import FaultMode, FaultPlan, TestbedClient, TestbedProcess
+from testbed.tools import EffectKeys, FaultMode, FaultPlan, TestbedClient, TestbedProcess
 
 pytestmark = pytest.mark.faults
 
@@ -43,103 +50,111 @@ def testbed() -> Iterator[TestbedProcess]:
         yield proc
 
 
-@pytest.mark.parametrize(
-    ("honour_effect_keys", "environments_for_the_key"),
-    [
-        (True, 1),  # the endpoint's dedupe contract holds: no duplicate effect
-        (False, 2),  # control: with effect keys ignored the duplicate appears, so this test can fail
-    ],
-)
-async def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_environment(
-    testbed: TestbedProcess, honour_effect_keys: bool, environments_for_the_key: int
+@pytest.fixture
+def honouring_testbed() -> Iterator[TestbedProcess]:
+    """A testbed whose services honour effect keys (answer a repeated key from its first delivery)."""
+    with TestbedProcess(free_port(), provision_s=0.05, effect_keys=EffectKeys.HONOUR) as proc:
+        yield proc
+
+
+@pytest.mark.parametrize("caller", ["probes-first", "control-sends-again"])
+async def test_a_reply_lost_after_provisioning_is_recovered_by_probe_not_by_a_second_delivery(
+    testbed: TestbedProcess, caller: str
 ) -> None:
     async with (
         GrpcToolPort({}, default_address=testbed.address) as port,
         TestbedClient(testbed.address) as ledger,
     ):
         # Given the provisioner applies the effect and then drops its reply (once)
-        await ledger.set_faults(
-            FaultPlan(mode=FaultMode.DROP_REPLY, count=1, honour_effect_keys=honour_effect_keys), PROVISIONER
-        )
+        await ledger.set_faults(FaultPlan(mode=FaultMode.DROP_REPLY, count=1), PROVISIONER)
         # When the first attempt times out
         first = await port.invoke(provision("ek-env-r18", attempt=1, budget_s=0.5))
-        # Then the client knows nothing: a timeout settles nothing
+        # Then the caller knows nothing: a timeout settles nothing
         assert (first.settlement, first.outcome_class) == (
             Settlement.UNKNOWN,
             OutcomeClass.INFRASTRUCTURE_FAILURE,
         )
-        # And the endpoint's probe recovers the established effect with its resource id
-        probe = await port.probe_result("provision_env", "ek-env-r18", time.time() + 2)
-        assert probe.settlement is Settlement.ESTABLISHED
-        # When the retry owner re-invokes with the same effect key (fresh attempt id)
-        retry = await port.invoke(provision("ek-env-r18", attempt=2, budget_s=2.0))
-        assert retry.settlement is Settlement.ESTABLISHED
-        # Then the independent ledger decides: one environment per effect key, or the visible duplicate
+        if caller == "probes-first":
+            # When the caller asks the endpoint what became of the key (result recovery)
+            probe = await port.probe("provision_env", "ek-env-r18", time.time() + 2)
+            recovered = probe.result
+            assert probe.settlement is Settlement.ESTABLISHED
+        else:
+            # When (control) the caller treats the timeout as permission to send again
+            again = await port.invoke(provision("ek-env-r18", attempt=2, budget_s=2.0))
+            recovered = again.result
         book = await ledger.ledger()
+    # Then the testbed's deliveries judge: one delivery and one environment for the key, whose id the
+    # caller now holds; sending again is a duplicate delivery and a second (orphaned) environment
     created = book.environments_for("ek-env-r18")
-    assert len(created) == environments_for_the_key
-    assert probe.result["env_id"] == created[0].env_id
-    if honour_effect_keys:
-        assert retry.result == probe.result
-        assert book.duplicate_effects() == []
+    if caller == "probes-first":
+        assert [d.attempt_id for d in book.deliveries_for("ek-env-r18")] == ["attempt-1"]
+        assert book.duplicate_deliveries() == []
+        assert [e.env_id for e in created] == [recovered["env_id"]]
     else:
-        assert [(d.effect_key, d.applications) for d in book.duplicate_effects()] == [("ek-env-r18", 2)]
+        assert [(d.attempt_id, d.prior) for d in book.duplicate_deliveries()] == [("attempt-2", "applied")]
+        assert len(created) == 2 and book.duplicate_effects() != []
 
 
-async def test_compensation_after_a_lost_reply_leaves_no_orphaned_environment(
-    testbed: TestbedProcess,
+async def test_a_service_honouring_effect_keys_cannot_hide_a_repeat_delivery(
+    honouring_testbed: TestbedProcess,
 ) -> None:
     async with (
-        GrpcToolPort({}, default_address=testbed.address) as port,
-        TestbedClient(testbed.address) as ledger,
+        GrpcToolPort({}, default_address=honouring_testbed.address) as port,
+        TestbedClient(honouring_testbed.address) as ledger,
     ):
-        # Given a provisioning reply lost after the effect
+        # Given a lost provisioning reply on a service that deduplicates by effect key
         await ledger.set_faults(FaultPlan(mode=FaultMode.DROP_REPLY, count=1), PROVISIONER)
-        lost = await port.invoke(provision("ek-env-1", attempt=1, budget_s=0.5))
-        assert lost.settlement is Settlement.UNKNOWN
-        # When the runtime settles it by probe and runs the registered compensation with the recovered id
-        probe = await port.probe_result("provision_env", "ek-env-1", time.time() + 2)
-        release = await port.invoke(
-            ToolInvocation(
-                trajectory_id="traj-r18",
-                call_id="call-release",
-                tool="release_env",
-                arguments={"env_id": probe.result["env_id"]},
-                effect_key="ek-release-1",
-                operation_id="release_test_env_r18",
-                attempt_id="attempt-1",
-                deadline=time.time() + 2,
-            )
-        )
+        await port.invoke(provision("ek-env-h", attempt=1, budget_s=0.5))
+        # When the caller sends the same key again
+        again = await port.invoke(provision("ek-env-h", attempt=2, budget_s=2.0))
         book = await ledger.ledger()
-    # Then the ledger holds no orphaned environment and its billing stopped
-    assert release.settlement is Settlement.ESTABLISHED
-    assert book.orphaned_environments() == []
-    assert len(book.environments) == 1
+    # Then the service applied it once (its dedupe answered the repeat) ...
+    assert again.settlement is Settlement.ESTABLISHED
+    assert len(book.environments_for("ek-env-h")) == 1 and book.duplicate_effects() == []
+    # ... and the deliveries still show the re-dispatch: the judge does not depend on the service's dedupe
+    assert book.effect_keys == "honour"
+    assert [(d.attempt_id, d.disposition) for d in book.duplicate_deliveries()] == [
+        ("attempt-2", "deduplicated")
+    ]
 
 
-async def test_a_hung_call_is_settled_absent_by_probe_and_the_retry_creates_exactly_one(
-    testbed: TestbedProcess,
+async def _settled_probe(port: GrpcToolPort, effect_key: str) -> Settlement:
+    """Probe until the endpoint stops saying UNKNOWN because the held call is still running (bounded)."""
+    settlement = Settlement.UNKNOWN
+    for _ in range(200):
+        settlement = (await port.probe("provision_env", effect_key, time.time() + 2)).settlement
+        if settlement is not Settlement.UNKNOWN:
+            break
+        await asyncio.sleep(0.02)
+    return settlement
+
+
+@pytest.mark.parametrize("caller", ["settles-first", "control-retries-while-held"])
+async def test_a_hung_call_is_settled_absent_before_the_retry_and_exactly_one_environment_exists(
+    testbed: TestbedProcess, caller: str
 ) -> None:
     async with (
         GrpcToolPort({}, default_address=testbed.address) as port,
         TestbedClient(testbed.address) as ledger,
     ):
-        # Given the provisioner holds the first call past its deadline
-        await ledger.set_faults(FaultPlan(mode=FaultMode.HANG, hang_s=0.1, count=1), PROVISIONER)
+        # Given the provisioner holds the first call past its deadline (0.5 s beyond it)
+        await ledger.set_faults(FaultPlan(mode=FaultMode.HANG, hang_s=0.5, count=1), PROVISIONER)
         hung = await port.invoke(provision("ek-env-2", attempt=1, budget_s=0.3))
         assert hung.settlement is Settlement.UNKNOWN
-        # When a probe (repeated while the endpoint still holds the call) settles it
-        settlement = Settlement.UNKNOWN
-        for _ in range(200):
-            settlement = (await port.probe("provision_env", "ek-env-2", time.time() + 2)).settlement
-            if settlement is not Settlement.UNKNOWN:
-                break
-            await asyncio.sleep(0.02)
-        assert settlement is Settlement.ESTABLISHED_ABSENT
-        # And the retry is dispatched only after absence is established
+        if caller == "settles-first":
+            # When a probe, repeated while the endpoint still holds the call, settles it absent
+            assert await _settled_probe(port, "ek-env-2") is Settlement.ESTABLISHED_ABSENT
+        # And the retry is dispatched (control: while the first attempt is still held)
         retry = await port.invoke(provision("ek-env-2", attempt=2, budget_s=2.0))
         book = await ledger.ledger()
-    # Then exactly one environment exists for the key
     assert retry.settlement is Settlement.ESTABLISHED
     assert len(book.environments_for("ek-env-2")) == 1
+    # Then the retry is legitimate only after absence was established: otherwise it asked again for an
+    # effect still in flight, a duplicate delivery whatever the held attempt later did
+    first, second = book.deliveries_for("ek-env-2")
+    if caller == "settles-first":
+        assert (first.disposition, second.prior) == ("refused", "absent")
+        assert book.duplicate_deliveries() == []
+    else:
+        assert [(d.attempt_id, d.prior) for d in book.duplicate_deliveries()] == [("attempt-2", "in_flight")]

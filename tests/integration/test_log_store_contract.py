@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
@@ -13,11 +15,12 @@ import redis
 
 from cluster import embedded
 from cluster.embedded import EmbeddedRedis, redis_url_from_env, stop_embedded
-from cluster.log_store import RedisLogStore
+from cluster.log_store import DEFAULT_OUTAGE_S, OUTAGE_ENV, RedisLogStore, outage_budget_from_env
 from cluster.redis_server import RedisServer, free_port
 from runtime.errors import DependencyError, InputError
 from runtime.memstore import MemoryLogStore, parse_entry_id
 from runtime.ports import LogStore
+from tests.integration.redis_proxy import ReplyEater
 
 pytestmark = pytest.mark.integration
 
@@ -187,8 +190,9 @@ async def test_entries_live_in_the_documented_stream_key_and_field(redis_url: st
     finally:
         raw.close()
 
-    # Then the event is the 'e' field of that entry
-    assert entries == [(entry_id.encode(), {b"e": b"\x81\xa1k\x01"})]
+    # Then the event is the 'e' field of that entry, beside the id of the batch that wrote it
+    [(raw_id, fields)] = entries
+    assert (raw_id, fields[b"e"], sorted(fields)) == (entry_id.encode(), b"\x81\xa1k\x01", [b"b", b"e"])
 
 
 async def test_tethers_redis_fsyncs_every_acknowledged_append(redis_url: str) -> None:
@@ -261,14 +265,15 @@ async def test_an_unreachable_redis_names_the_url_without_its_password() -> None
     # Given a URL to a port nobody listens on, carrying a password
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
 
-    # When the store is used
-    async with RedisLogStore.from_url(url, socket_timeout=2.0) as store:
+    # When the store is used, with a short outage budget
+    async with RedisLogStore.from_url(url, socket_timeout=2.0, outage_s=0.3) as store:
         with pytest.raises(DependencyError) as caught:
             await store.append("t", b"x")
 
-    # Then a retryable DependencyError names the redacted URL
+    # Then, the budget spent, a retryable DependencyError names the redacted URL and the budget
     message = str(caught.value)
-    assert "unreachable" in message and f"127.0.0.1:{url.rsplit(':', 1)[1]}" in message
+    assert "unreachable" in message and "outage budget of 0.3s" in message
+    assert f"127.0.0.1:{url.rsplit(':', 1)[1].split('/')[0]}" in message
     assert "hunter2" not in message and "***" in message
     assert caught.value.non_retryable is False
 
@@ -287,6 +292,102 @@ async def test_requiring_replicas_that_do_not_exist_fails_the_append(redis_url: 
         # Then the append is reported as not acknowledged
         with pytest.raises(DependencyError, match="0 of 1 replicas"):
             await store.append("t", b"x")
+
+
+# --------------------------------------------------------------------------- riding out an outage
+
+
+class BlindRetryStore(RedisLogStore):
+    """Control: a store whose every attempt is a new batch (a retry cannot recognise its own write)."""
+
+    async def _append_batch(self, key: str, batch: str, payloads: list[bytes], lookback: int) -> list[str]:
+        return await super()._append_batch(key, uuid.uuid4().hex, payloads, lookback)
+
+
+@pytest.mark.parametrize("store_kind", ["batch-ids", "control-blind-retry"])
+async def test_an_append_whose_reply_was_lost_is_not_appended_twice(redis_url: str, store_kind: str) -> None:
+    upstream = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    async with ReplyEater(upstream) as proxy:
+        kind = RedisLogStore if store_kind == "batch-ids" else BlindRetryStore
+        async with kind.from_url(proxy.url, outage_s=30.0) as store:
+            # Given a log with one acknowledged entry (the script is loaded on the server)
+            first = await store.append("t-lost", b"intent:1")
+            # When the next batch reaches Redis and its reply is lost with the connection
+            proxy.arm(lambda request: b"EVALSHA" in request.upper())
+            ids = await store.append_many("t-lost", [b"intent:2", b"intent:3"])
+        # Then the append still answers, once Redis has been asked again ...
+        assert proxy.eaten == 1
+    async with RedisLogStore.from_url(redis_url) as direct:
+        entries = await direct.read("t-lost")
+    # ... and the log holds the batch once, under the ids the append returned (control: twice)
+    if store_kind == "batch-ids":
+        assert entries == [(first, b"intent:1"), (ids[0], b"intent:2"), (ids[1], b"intent:3")]
+    else:
+        assert [p for _, p in entries] == [b"intent:1", b"intent:2", b"intent:3", b"intent:2", b"intent:3"]
+
+
+async def test_appends_and_reads_wait_out_a_redis_restart_and_lose_nothing(tmp_path: Path) -> None:
+    server = RedisServer(data_dir=tmp_path / "r").start()
+    try:
+        async with RedisLogStore.from_url(server.url, socket_timeout=2.0, outage_s=60.0) as store:
+            # Given acknowledged entries, and then the server crashes (SIGKILL)
+            acked = [await store.append("t-out", f"e{i}".encode()) for i in range(3)]
+            server.kill()
+            # When an append and a read are made while it is down, and it comes back 1 s later
+            appending = asyncio.ensure_future(store.append_many("t-out", [b"during-1", b"during-2"]))
+            reading = asyncio.ensure_future(store.read("t-out"))
+            await asyncio.sleep(1.0)  # the outage itself: what is under test is that both wait it out
+            assert not appending.done() and not reading.done()
+            await asyncio.to_thread(server.restart)
+            during = await asyncio.wait_for(appending, 30)
+            seen = await asyncio.wait_for(reading, 30)
+            after = await store.read("t-out")
+    finally:
+        server.stop()
+    # Then both finished without an error, every acknowledged entry survived the crash (AOF), and the
+    # append made while Redis was down is in the log exactly once
+    assert [i for i, _ in seen[:3]] == acked
+    assert after == [
+        *[(i, f"e{n}".encode()) for n, i in enumerate(acked)],
+        (during[0], b"during-1"),
+        (during[1], b"during-2"),
+    ]
+
+
+async def test_an_outage_longer_than_the_budget_is_a_clear_dependency_error(tmp_path: Path) -> None:
+    server = RedisServer(data_dir=tmp_path / "r").start()
+    try:
+        async with RedisLogStore.from_url(server.url, socket_timeout=1.0, outage_s=0.5) as store:
+            await store.append("t-gone", b"e0")
+            # Given the server is down for longer than the store's outage budget
+            server.kill()
+            # When appending
+            with pytest.raises(DependencyError) as caught:
+                await store.append("t-gone", b"e1")
+    finally:
+        server.stop()
+    # Then the error says for how long Redis was unreachable and which setting bounds the wait
+    message = str(caught.value)
+    assert "outage budget of 0.5s" in message and OUTAGE_ENV in message
+    assert caught.value.non_retryable is False
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, DEFAULT_OUTAGE_S), ("12.5", 12.5), ("0", 0.0)])
+def test_the_outage_budget_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, raw: str | None, expected: float
+) -> None:
+    if raw is None:
+        monkeypatch.delenv(OUTAGE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(OUTAGE_ENV, raw)
+    assert outage_budget_from_env() == expected
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1"])
+def test_a_bad_outage_budget_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv(OUTAGE_ENV, raw)
+    with pytest.raises(InputError, match=OUTAGE_ENV):
+        outage_budget_from_env()
 
 
 # --------------------------------------------------------------------------- the embedded default

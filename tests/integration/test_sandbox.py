@@ -17,7 +17,7 @@ from actors.sandbox import (
     ResourceLimits,
     Sandbox,
     SandboxClosed,
-    probe_network_isolation,
+    probe_isolation,
 )
 
 pytestmark = pytest.mark.integration
@@ -63,10 +63,17 @@ async def test_commands_run_in_the_trajectory_workspace(sandbox: Sandbox) -> Non
     assert (sandbox.workspace / "out.txt").read_text() == "data\n"
 
 
-async def test_every_process_gets_its_own_group_and_session(sandbox: Sandbox) -> None:
-    code = "import os; print(os.getpgrp() == os.getpid(), os.getsid(0) == os.getpid())"
+async def test_every_command_runs_in_a_pid_namespace_of_its_own(sandbox: Sandbox) -> None:
+    # When a command reports its pid namespace and the processes it can see
+    code = (
+        "import os; print(os.readlink('/proc/self/ns/pid'));"
+        "print(*sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+    )
     result = await sandbox.run([PY, "-c", code], timeout=10, network=True)
-    assert result.stdout.split() == ["True", "True"]
+    namespace, visible = result.stdout.splitlines()
+    # Then it lives in a namespace that is not ours, sees only its own few processes, and says so
+    assert result.isolated and namespace != os.readlink("/proc/self/ns/pid")
+    assert len(visible.split()) <= 3 and str(os.getpid()) not in visible.split()
     assert os.getpgrp() not in sandbox.live_process_groups
 
 
@@ -120,12 +127,26 @@ async def test_a_group_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
 
 
 async def test_leftovers_of_a_finished_command_are_torn_down(sandbox: Sandbox) -> None:
-    # Given a command that exits at once but leaves a background child in its group
-    result = await sandbox.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $$"], timeout=10)
-    pgid = int(result.stdout)
-    # Then nothing of its group survives the call
-    assert result.exit_code == 0
-    assert not group_exists(pgid)
+    # Given a command that exits at once but leaves a background child behind (marked in its argv)
+    marker = f"tether-leftover-{os.getpid()}-{id(sandbox)}"
+    child = f"{PY} -c 'import time; time.sleep(60)' {marker} >/dev/null 2>&1 &"
+    result = await sandbox.run(["sh", "-c", f"{child} echo started"], timeout=10)
+    # Then nothing of it survives the call
+    assert (result.exit_code, result.stdout) == (0, "started\n")
+    assert not any(marker.encode() in cmdline for cmdline in command_lines())
+
+
+def command_lines() -> list[bytes]:
+    """Every host process's command line, now."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    found.append(f.read())
+            except OSError:
+                continue
+    return found
 
 
 async def test_kill_all_terminates_every_group_and_closes_the_sandbox(sandbox: Sandbox) -> None:
@@ -170,7 +191,7 @@ CONNECT = (
 )
 
 
-@pytest.mark.skipif(not probe_network_isolation().available, reason=probe_network_isolation().reason)
+@pytest.mark.skipif(not probe_isolation().pid_namespace, reason=probe_isolation().reason)
 async def test_network_is_cut_off_unless_the_tool_needs_it(sandbox: Sandbox, listener: int) -> None:
     # Given a listener on the host loopback
     # When the same connect runs with and without network
@@ -187,14 +208,14 @@ async def test_network_is_cut_off_unless_the_tool_needs_it(sandbox: Sandbox, lis
 
 @pytest.fixture
 def no_unshare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A host where unshare(1) cannot be found (PATH without it); the cached probe is redone."""
+    """A host where neither bwrap nor unshare(1) can be found (PATH without them); the probe is redone."""
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    probe_network_isolation.cache_clear()
+    probe_isolation.cache_clear()
     try:
         yield
     finally:
         monkeypatch.undo()
-        probe_network_isolation.cache_clear()
+        probe_isolation.cache_clear()
 
 
 async def test_missing_network_isolation_is_warned_and_recorded_not_silent(

@@ -102,6 +102,8 @@ async def test_invoke_establishes_the_effect_and_the_ledger_records_it(
 async def test_repeating_an_effect_key_returns_the_first_result_without_a_second_effect(
     port: GrpcToolPort, control: TestbedClient
 ) -> None:
+    # Given a provisioner that honours effect keys (the testbed's default applies every delivery)
+    await control.set_faults(FaultPlan(honour_effect_keys=True), PROVISIONER)
     first = await port.invoke(provision("ek-1"))
     again = await port.invoke(provision("ek-1"))
     other = await port.invoke(provision("ek-2"))
@@ -115,6 +117,8 @@ async def test_repeating_an_effect_key_returns_the_first_result_without_a_second
 async def test_concurrent_attempts_with_one_effect_key_join_the_running_effect(
     port: GrpcToolPort, control: TestbedClient
 ) -> None:
+    # Given a provisioner that honours effect keys (the testbed's default applies every delivery)
+    await control.set_faults(FaultPlan(honour_effect_keys=True), PROVISIONER)
     outcomes = await asyncio.gather(*(port.invoke(provision("ek-join")) for _ in range(5)))
     ledger = await control.ledger()
     assert {o.result["env_id"] for o in outcomes} == {ledger.environments[0].env_id}

@@ -161,6 +161,19 @@ def test_summary_and_status_snapshot_describe_the_record() -> None:
         "binding_dimension": None,
         "rho": 0.0,
         "hibernated": False,
+        "result": {
+            "status": "in_progress",
+            "rung": "full",
+            "done": [],
+            "not_done": [],
+            "next_action": "wait for the trajectory to end",
+        },
+        "rung": "full",
+        "hold": None,
+        "escalations": {},
+        "parent_id": None,
+        "children": {},
+        "spend": {},
     }
     fields = status_fields(rec, hibernated=True, now=12.5)
     assert fields["state"] == "READY" and fields["hibernated"] == "1" and fields["held_digest"] == ""

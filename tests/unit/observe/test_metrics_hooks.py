@@ -84,9 +84,18 @@ def test_watchdog_records_the_guard_that_fired() -> None:
     clock = FakeClock()
     sim, backend = observed(lambda m: call("run_tests", {"suite": "same"}, tool_results(m)), clock)
     rec = run(sim, clock)
-    # the exact-repeat guard fired once, and the two calls that ran make the failure partial
-    assert rec.exit_reason is ExitReason.ERROR
-    assert counters(backend, "tether_guard_fired") == {(("guard", "exact_repeat"),): 1.0}
+    # the exact-repeat guard fired three times, once per rung of its ladder (the third is the hold, which
+    # waits until the deadline ends it); after the constrain rung took the tool away, the calls that kept
+    # coming were refused by the grant; the two calls that ran make the failure partial
+    assert rec.exit_reason is ExitReason.DEADLINE_EXCEEDED
+    assert counters(backend, "tether_guard_fired") == {
+        (("guard", "exact_repeat"),): 3.0,
+        (("guard", "grant"),): 1.0,
+    }
+    assert counters(backend, "tether_watchdog_rungs") == {
+        (("guard", "exact_repeat"), ("rung", rung)): 1.0 for rung in ("inform", "constrain", "hold")
+    }
+    assert counters(backend, "tether_holds") == {(("kind", "watchdog"),): 1.0}
     assert counters(backend, "tether_trajectories_finished") == {(("outcome", "partial"),): 1.0}
 
 

@@ -196,17 +196,30 @@ def examples() -> list[Event]:
         ToolResultAccepted,
         WallClockMeasured,
     )
+    from runtime.degradation import Rung
     from runtime.events import (
         ApprovalVoted,
         CallObserved,
+        CallWithheld,
+        ChildCancelled,
+        ChildSettled,
+        ChildSpawned,
         CleanupDispatched,
         CleanupSettled,
+        EscalationAcknowledged,
+        EscalationOpened,
+        EscalationResolved,
         HandoffWritten,
+        HoldPlaced,
+        HoldReleased,
+        IncidentOpened,
         ObligationBound,
         ObligationRegistered,
         ObligationUpdated,
         OperatorActed,
+        ProgressObserved,
         RepairEpisodeChanged,
+        RungChanged,
         TimerCancelled,
         TimerFired,
         TimerStarted,
@@ -214,7 +227,9 @@ def examples() -> list[Event]:
         ToolCallWithdrawn,
         TurnAbandoned,
         TurnRequested,
+        WatchdogFired,
     )
+    from runtime.incident import HoldKind
     from runtime.obligations import ObligationState
     from runtime.ports import GuardPermit, OutcomeClass, SandboxPermit, Settlement, ToolCallProposal
     from runtime.record import QueueStage, TimerKind
@@ -292,4 +307,18 @@ def examples() -> list[Event]:
         OperatorActed("9-0", ControlAction.SETTLE, "op:alice", "op-c4", "checked by hand"),
         OperationSettled("op-c5", Settlement.ESTABLISHED, "probe", {"env_id": "e-1"}, "c5", False),
         RepairEpisodeChanged("write_file", "repair-4.1", EpisodeState.OPEN, 1, 3, RepairChoice.REPAIR, "x"),
+        # issue 12: supervision
+        HoldPlaced(HoldKind.INCIDENT, "disclosure", "policy:disclosure", T0 + 5, "inc-1", "esc-1"),
+        HoldReleased(HoldKind.INCIDENT, "op:alice", "reviewed", "inc-1"),
+        WatchdogFired("exact_repeat", "inform", 1, "identical call 3 times", "c5", {"steps": [1, 2, 3]}),
+        ProgressObserved(4, "digest-4", False, 3),
+        CallWithheld("c5", "run_tests", "watchdog exact_repeat (inform)"),
+        EscalationOpened("esc-1", "guard", "loop", "oncall", T0, T0 + 900, {"key": "k"}, {"goal": "g"}),
+        EscalationAcknowledged("esc-1", "op:alice", T0 + 60, "9-0"),
+        EscalationResolved("esc-1", "released"),
+        IncidentOpened("inc-1", "fixture data to search", "unknown", {"path": "$.query"}),
+        RungChanged(Rung.CONSTRAINED, "breaker_open", "env-provisioner open"),
+        ChildSpawned("traj-1.c1", "c8", "run the suite", {"turns": 3.0, "dollars": 0.1}, T0 + 300),
+        ChildSettled("traj-1.c1", "c8", False, "ended FAILED", {"turns": 2.0}, {"status": "FAILED_CHECK"}),
+        ChildCancelled("traj-1.c2", "c9", "parent killed"),
     ]

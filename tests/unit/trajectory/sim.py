@@ -27,6 +27,7 @@ from runtime.decider import Decision, decide
 from runtime.effects import (
     AcquirePermit,
     CallModel,
+    CancelChild,
     CancelModelStream,
     CancelTimer,
     CancelToolCall,
@@ -34,12 +35,15 @@ from runtime.effects import (
     Effect,
     Hibernate,
     KillProcesses,
+    OpenIncident,
     ProbeTool,
+    PublishEscalation,
     ReleaseLease,
     ReleasePermit,
     ReportLimits,
     RequestAdmission,
     SettleAdmission,
+    SpawnChild,
     StartTimer,
 )
 from runtime.events import Event, ObservationAppended, ObservationKind, TrajectoryCreated
@@ -367,6 +371,11 @@ class Sim:
         self.released_leases: list[Any] = []
         self.hibernated = False
         self._ids = 0
+        # issue 12: what the cluster's registries would hold, and the children asked for
+        self.escalations: dict[str, Any] = {}  # escalation id -> the latest published escalation
+        self.incidents: list[OpenIncident] = []
+        self.spawned: list[SpawnChild] = []
+        self.cancelled_children: list[CancelChild] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -581,6 +590,14 @@ class Sim:
         elif isinstance(effect, Hibernate):
             self.hibernated = True
             self.timers = dict(self.durable_timers)  # the actor's local timers die with it
+        elif isinstance(effect, PublishEscalation):
+            self.escalations[effect.escalation.escalation_id] = effect.escalation
+        elif isinstance(effect, OpenIncident):
+            self.incidents.append(effect)
+        elif isinstance(effect, SpawnChild):
+            self.spawned.append(effect)
+        elif isinstance(effect, CancelChild):
+            self.cancelled_children.append(effect)
         else:  # pragma: no cover - the effect set is closed
             raise AssertionError(f"unknown effect {effect!r}")
 

@@ -235,10 +235,11 @@ def test_an_identical_invalid_call_repeated_every_turn_is_stopped_by_the_watchdo
     clock = FakeClock()
     sim = Sim(lambda m: call("run_tests", '{"suite": ', tool_results(m)), clock)
     sim.start(created(clock))
-    rec = sim.run()
-    # Then it stops on the third identical (invalid) call, not at the 20-turn ceiling
-    assert rec.exit_reason is ExitReason.ERROR and rec.turn_count == 3
-    assert len(sim.of(CallObserved)) == 3 and not sim.tools.deliveries
+    rec = sim.run(until=clock.wall() + 1)
+    # Then the ladder answers the third, fourth and fifth identical (invalid) calls: inform, constrain,
+    # hold; it is held at turn 5, not run to the 20-turn ceiling
+    assert rec.hold is not None and rec.turn_count == 5
+    assert len(sim.of(CallObserved)) == 5 and not sim.tools.deliveries
 
 
 # --------------------------------------------------------------------------- issue 15: the model path
