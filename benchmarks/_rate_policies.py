@@ -6,7 +6,9 @@ of 1-2 provider windows), then a final answer (the testbed scenario ``finish_aft
 trajectories back to back until the run stops.
 
 - ``tether`` and ``static_split`` run the real trajectory code: the decider (``runtime.decide``) through its
-  interpreter (``actors.interpreter.Interpreter``, what the trajectory actor shells), in this process, with
+  interpreter (``actors.interpreter.Interpreter``, what the trajectory actor shells), in this process, its
+  creation event and policy built from a ``TrajectoryLaunch`` by ``actors.wiring`` as the trajectory actor
+  builds them for ``tether run`` (workload defaults: retry, finalization reserve, jitter seed), with
   the real ``OpenAIModel`` adapter (SDK retries off), a local tool port, an in-memory log, and the real
   scheduler (``InProcessScheduler`` over ``SchedulerCore``; the actor is a thin shell around it, ``--ray``
   uses it). ``tether`` shares one scheduler holding the whole limit; ``static_split`` gives each job (one per
@@ -37,13 +39,12 @@ import openai
 from pydantic import BaseModel, ConfigDict
 
 from actors.interpreter import Interpreter, InterpreterPorts
+from actors.launch import CheckLaunch, ProviderLaunch, TrajectoryLaunch
 from actors.model_openai import SCENARIO_HEADER, TRAJECTORY_HEADER
 from actors.tools_local import LOCAL_SCOPE, LocalTool, LocalToolPort
-from runtime.budget import PriceTable
+from actors.wiring import build_created, build_policy
 from runtime.clock import SystemClock
-from runtime.events import TrajectoryCreated
 from runtime.memstore import MemoryLogStore
-from runtime.policy import TrajectoryPolicy
 from runtime.ports import (
     AdmissionPort,
     CancelToken,
@@ -55,13 +56,12 @@ from runtime.ports import (
     TurnGrant,
     TurnRequest,
 )
-from runtime.record import CallLimits, CompletionCheck, Grants, TaskContract
 from runtime.tools import RepeatContract, SideEffect, ToolContract, ToolRegistry
 
 __all__ = ["ClassSpec", "Trace", "baseline_trajectory", "run_tether"]
 
 TOOL = "work"
-PRICES = PriceTable(3.0, 0.3, 15.0)
+DEADLINE_S = 3_600.0
 WORDS = ("plan", "edit", "test", "fix", "read", "log", "diff", "build", "check", "merge")
 
 
@@ -183,7 +183,7 @@ async def run_tether(
     *,
     model: ModelPort,
     admission: AdmissionPort,
-    provider_key: str,
+    base_url: str,
     model_name: str,
     window_s: float,
     rng: random.Random,
@@ -192,6 +192,26 @@ async def run_tether(
     """One trajectory through the real decider and interpreter at default settings; True when COMPLETED."""
     clock = SystemClock()
     tool = work_tool(cls, rng, window_s)
+    launch = TrajectoryLaunch(
+        trajectory_id=trajectory_id,
+        tenant="bench",
+        goal=goal_text(cls, rng),
+        priority_class=cls.name,
+        ceilings={"turns": 100, "tokens": 10**7, "dollars": 100.0, "wall_seconds": 86_400},
+        grants=(TOOL,),
+        max_tokens=cls.max_tokens,
+        call_deadline_s=30.0,
+        deadline_s=DEADLINE_S,
+        reserve_s=min(120.0, max(5.0, 0.1 * DEADLINE_S)),  # a workload's default reserve at this deadline
+        created_at=clock.wall(),
+        completion_check=CheckLaunch(name="always"),
+        metadata={"scenario": f"finish_after:{cls.turns}"},
+        provider=ProviderLaunch(base_url=base_url, model=model_name),
+        redis_url="memory://",  # the log is not what this benchmark measures
+        tool_timeout_s=3 * window_s + 60.0,  # the workload's tool timeout: longer than its longest build
+    )
+    # the benchmark's own tool (a sleep) instead of the launch's routes; the rest as the actor builds it
+    registry = ToolRegistry([tool.contract])
     ports = InterpreterPorts(
         model=TracedModel(model, trace, cls.name),
         tools=LocalToolPort([tool]),
@@ -199,31 +219,8 @@ async def run_tether(
         admission=TracedAdmission(admission, trace),
         clock=clock,
     )
-    policy = TrajectoryPolicy(
-        registry=ToolRegistry([tool.contract]),
-        provider_key=provider_key,
-        prices=PRICES,
-        tool_timeout_s=3 * window_s + 60.0,  # the workload's tool timeout: longer than its longest build
-        metadata={"scenario": f"finish_after:{cls.turns}"},
-        rng_seed=rng.randrange(2**32),
-    )
-    interpreter = Interpreter(trajectory_id, policy, ports)
-    now = clock.wall()
-    await interpreter.create(
-        TrajectoryCreated(
-            trajectory_id=trajectory_id,
-            parent_id=None,
-            tenant="bench",
-            contract=TaskContract(goal_text(cls, rng), CompletionCheck("always")),
-            limits=CallLimits(model_name, cls.max_tokens, 30.0),
-            ceilings={"turns": 100, "tokens": 10**7, "dollars": 100.0, "wall_seconds": 86_400},
-            grants=Grants(tools=frozenset({TOOL}), read_only_tools=frozenset({TOOL})),
-            priority_class=cls.name,
-            created_at=now,
-            deadline=now + 3_600,
-            context_ref=f"ctx:{trajectory_id}",
-        )
-    )
+    interpreter = Interpreter(trajectory_id, build_policy(launch, registry), ports)
+    await interpreter.create(build_created(launch, registry))
     try:
         outcome = await interpreter.run()
     except BaseException:

@@ -45,6 +45,7 @@ from typing import Any
 
 import openai
 
+from actors.launch import ProviderLaunch
 from actors.model_openai import OpenAIModel
 from benchmarks._common import (
     MIN_RUNS,
@@ -156,7 +157,7 @@ Slot = Callable[[str, ClassSpec, random.Random], Awaitable[bool]]
 
 async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> dict[str, Any]:
     base_url = provider.base_url
-    key = f"{base_url}|{MODEL}"
+    key = ProviderLaunch(base_url=base_url, model=MODEL).provider_key  # the scheduler key the actor uses
     trace = Trace()
     closers: list[Callable[[], Awaitable[None]]] = []
     shared = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
@@ -171,7 +172,7 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
                 cls,
                 model=model,
                 admission=port_of(cls),
-                provider_key=key,
+                base_url=base_url,
                 model_name=MODEL,
                 window_s=spec.window_s,
                 rng=rng,
