@@ -25,7 +25,9 @@ policy alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import random
 import threading
 import time
@@ -33,6 +35,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import openai
@@ -58,7 +61,7 @@ from scheduler.inprocess import AlwaysAdmit
 from testbed.tools.faults import DoorCounts, EffectKeys, FaultPlan
 from testbed.tools.host import Testbed, start_testbed
 
-__all__ = ["SERVICE", "TOOL", "Counters", "TestbedThread", "run_baseline", "run_tether"]
+__all__ = ["SERVICE", "TOOL", "Counters", "TestbedProcess", "TestbedThread", "run_baseline", "run_tether"]
 
 SERVICE = "package-search"
 TOOL = "search_packages"
@@ -157,6 +160,71 @@ class TestbedThread:
         asyncio.run_coroutine_threadsafe(self.testbed.stop(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+def _serve_testbed(plan: FaultPlan, conn: Connection) -> None:
+    """The child process of ``TestbedProcess``: the testbed on its own thread, commands from ``conn``."""
+    testbed = TestbedThread(plan)
+    conn.send(testbed.address)
+    while True:
+        command, arg = conn.recv()
+        if command == "set_plan":
+            testbed.set_plan(arg)
+            conn.send(None)
+        elif command == "door":
+            conn.send(testbed.door())
+        elif command == "searches":
+            conn.send(testbed.searches())
+        else:
+            testbed.stop()
+            conn.send(None)
+            return
+
+
+class TestbedProcess:
+    """``TestbedThread`` in a process of its own, as a real dependency is: the callers' CPU use (100
+    trajectories in one Python process) must not slow the dependency through the GIL, or a caller that
+    spends more CPU per call would see a slower dependency (a breaker probe would time out on the
+    callers' own load, not the dependency's)."""
+
+    __test__ = False
+
+    def __init__(self, plan: FaultPlan) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a process with gRPC and event loops
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve_testbed, args=(plan, child), name="testbed-tools", daemon=True
+        )
+        self._process.start()
+        child.close()
+        if not self._conn.poll(60):
+            self._process.kill()
+            raise RuntimeError("the testbed process did not start within 60 s")
+        self.address: str = self._conn.recv()
+        self._lock = threading.Lock()
+
+    def _ask(self, command: str, arg: Any = None) -> Any:
+        with self._lock:
+            self._conn.send((command, arg))
+            return self._conn.recv()
+
+    def set_plan(self, plan: FaultPlan) -> None:
+        self._ask("set_plan", plan)
+
+    def door(self) -> DoorCounts:
+        door: DoorCounts = self._ask("door")
+        return door
+
+    def searches(self) -> int:
+        return int(self._ask("searches"))
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._ask("stop")
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
 
 
 # ----------------------------------------------------------------------------- Tether (decider + interpreter)

@@ -6,8 +6,11 @@ service time (``FaultMode.CONTENDED``: a base time plus a little per call alread
 caller gave up keeps running and keeps its place). Healthy, it answers in tens of milliseconds. During the
 outage its base time jumps above the callers' timeout, so every attempt times out and every retry adds load
 that makes the next attempt slower; after the heal, whatever the retries piled up must drain first.
-The model is the testbed provider (no limits). Policies and trajectory code are in
-:mod:`benchmarks._storm_policies`.
+The model is the testbed provider (no limits), and the testbed tool services run in a process of their own
+(``TestbedProcess``): on a thread of this process the dependency shared the GIL with the callers, so the
+policy spending the most CPU per call (Tether: 100 trajectories through the decider in one process) saw the
+slowest dependency, and its breaker probes timed out on that after the heal. Policies and trajectory code
+are in :mod:`benchmarks._storm_policies`.
 
 Judged at the dependency by the testbed's own counters (its door: every attempt that reached it, how many
 were in service at once) and, on the callers' side, by operations: one per tool call the model made.
@@ -35,7 +38,7 @@ import openai
 
 from actors.tools_grpc import GrpcToolPort
 from benchmarks._common import MIN_RUNS, calibration, provenance, result_path, spread, write_json
-from benchmarks._storm_policies import TOOL, Counters, TestbedThread, run_baseline, run_tether
+from benchmarks._storm_policies import TOOL, Counters, TestbedProcess, run_baseline, run_tether
 from breakers import InProcessGuard
 from runtime.clock import SystemClock
 from testbed.provider import ProviderConfig, start_provider_subprocess
@@ -74,7 +77,7 @@ def progress(message: str) -> None:
 
 
 async def run_policy(policy: str, s: Scenario, provider_url: str, run_no: int) -> dict[str, Any]:
-    testbed = TestbedThread(s.plan(degraded=False))
+    testbed = TestbedProcess(s.plan(degraded=False))
     counters = Counters(outage=(s.outage_start_s, s.outage_end_s))
     stop = asyncio.Event()
     client = openai.AsyncOpenAI(base_url=provider_url, api_key="unused", max_retries=0)
