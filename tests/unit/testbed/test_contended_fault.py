@@ -84,3 +84,44 @@ async def test_every_call_is_counted_at_the_door_even_without_a_fault() -> None:
         await injector.before_effect(call(i), ToolContext(call(i), clock.now() + 60, clock))
     door = injector.door(SERVICE)
     assert (door.arrivals, door.finished, door.in_service) == (4, 4, 0)
+
+
+def aimed_call(i: int, trajectory: str) -> ToolCall:
+    return ToolCall(
+        "search_packages", {"query": "x"}, f"k{i}", f"op{i}", f"a{i}", 0.0, trajectory, f"c{i}", 0
+    )
+
+
+async def test_a_contended_rule_among_rules_aims_at_its_trajectories_and_the_door_counts_everyone() -> None:
+    # Given a list of rules: a contended one for trajectory "slow" only, then a failure nobody matches
+    clock = FakeClock()
+    injector = FaultInjector(
+        {"search_packages": SERVICE},
+        {
+            SERVICE: [
+                FaultPlan(
+                    mode=FaultMode.CONTENDED, delay_s=2.0, per_call_s=1.0, trajectories=frozenset({"slow"})
+                ),
+                FaultPlan(mode=FaultMode.FAIL, status="UNAVAILABLE", trajectories=frozenset({"nobody"})),
+            ]
+        },
+    )
+    # When a call of "run1.slow" and one of "run1.fast" arrive together
+    slow = asyncio.ensure_future(
+        injector.before_effect(aimed_call(0, "run1.slow"), ToolContext(call(0), clock.now() + 60, clock))
+    )
+    fast = asyncio.ensure_future(
+        injector.before_effect(aimed_call(1, "run1.fast"), ToolContext(call(1), clock.now() + 60, clock))
+    )
+    await settle()
+    # Then only the aimed trajectory waits (2 s: nothing else was in service when it arrived), and both
+    # passed the door
+    assert fast.done() and not slow.done()
+    assert injector.door(SERVICE).arrivals == 2
+    clock.advance(1.5)
+    await settle()
+    assert not slow.done()
+    clock.advance(0.5)
+    await settle()
+    assert slow.done() and slow.exception() is None
+    assert injector.door(SERVICE).finished == 2
