@@ -112,8 +112,8 @@ def log_append(d: Mapping[str, Any]) -> str:
 def turn_overhead(d: Mapping[str, Any]) -> str:
     runs = d.get("runs") or {}
     return (
-        f"one harness turn {d['harness_ms']['p50']:.1f} ms p50 vs the floor (actor round trip + fsynced "
-        f"XADD) {d['floor_ms']['p50']:.1f} ms; ratio per run {_s(runs.get('ratio_p50'), 2)}"
+        f"one turn (decider + interpreter) {d['harness_ms']['p50']:.1f} ms p50 vs the floor (actor round "
+        f"trip + fsynced XADD) {d['floor_ms']['p50']:.1f} ms; ratio per run {_s(runs.get('ratio_p50'), 2)}"
     )
 
 
