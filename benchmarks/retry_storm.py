@@ -9,8 +9,9 @@ that makes the next attempt slower; after the heal, whatever the retries piled u
 The model is the testbed provider (no limits), and the testbed tool services run in a process of their own
 (``TestbedProcess``): on a thread of this process the dependency shared the GIL with the callers, so the
 policy spending the most CPU per call (Tether: 100 trajectories through the decider in one process) saw the
-slowest dependency, and its breaker probes timed out on that after the heal. Policies and trajectory code
-are in :mod:`benchmarks._storm_policies`.
+slowest dependency, and its breaker probes timed out on that after the heal. Each policy run is a fresh
+process of its own too, so no policy inherits another's leftovers. Policies and trajectory code are in
+:mod:`benchmarks._storm_policies`.
 
 Judged at the dependency by the testbed's own counters (its door: every attempt that reached it, how many
 were in service at once) and, on the callers' side, by operations: one per tool call the model made.
@@ -27,9 +28,11 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import multiprocessing
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -163,6 +166,18 @@ async def run_policy(policy: str, s: Scenario, provider_url: str, run_no: int) -
     return summarize(s, counters, timeline, final.peak_in_service, final.arrivals, applied)
 
 
+def run_policy_isolated(policy: str, s: Scenario, provider_url: str, run_no: int) -> dict[str, Any]:
+    """``run_policy`` in a fresh process: nothing one policy leaves behind in a process (tasks, channels,
+    connection pools) may slow the next one (a policy run after another once took 9 s to send its first
+    call)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_policy_sync, policy, s, provider_url, run_no).result()
+
+
+def _run_policy_sync(policy: str, s: Scenario, provider_url: str, run_no: int) -> dict[str, Any]:
+    return asyncio.run(run_policy(policy, s, provider_url, run_no))
+
+
 def recovery_s(s: Scenario, timeline: list[dict[str, Any]]) -> tuple[float | None, float]:
     """Seconds after the heal until ok operations/s are >= 90 % of the pre-outage rate for 3 s."""
     ok = [row["ok_operations"] for row in timeline]
@@ -262,7 +277,7 @@ async def run(s: Scenario, policies: tuple[str, ...]) -> dict[str, Any]:
         for run_no in range(s.runs):
             for policy in policies:
                 progress(f"run {run_no + 1}/{s.runs}: {policy}")
-                result = await run_policy(policy, s, provider.base_url, run_no)
+                result = await asyncio.to_thread(run_policy_isolated, policy, s, provider.base_url, run_no)
                 per_policy[policy].append(result)
                 progress(
                     f"  attempts at dependency in outage {result['attempts_at_dependency_outage']}, peak in "
