@@ -266,6 +266,8 @@ def plan_launches(
             retry=retry,
             keyring_path=keyring_path,
             approval_timeout_s=workload.approval_timeout_s,
+            approval_quorum=workload.approval_quorum,
+            approval_roles=workload.approval_roles,
             tool_timeout_s=workload.tool_timeout_s,
             hibernate_after_s=workload.hibernate_after_s,
             workspace_root=workspace_root,

@@ -427,7 +427,13 @@ async def test_hibernated_trajectory_wakes_on_control_with_budgets_intact(plane:
     # Given a trajectory that waits (paused, or holding a call) longer than its hibernation idle time
     if wake == "resume":
         tid = plane.launch("finish_after:3", hibernate_after_s=1.0)
-        await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
+
+        # (a turn counts from its admission request; wait for its reply to be charged before pausing, or the
+        # pause withdraws the request and nothing was spent yet)
+        async def first_reply() -> bool | None:
+            return bool(kinds(await plane.events(tid), ModelCallSettled)) or None
+
+        await eventually(first_reply, "the first model reply")
         await plane.client.pause(tid, issuer="alice")
     else:
         tid = plane.launch("irreversible:sleep", **approval_launch(hibernate_after_s=1.0))
