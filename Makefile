@@ -5,8 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: constraints setup demo test test-unit test-integration test-stress chaos lint typecheck fmt bench clean \
-	redis-check prometheus-check bwrap-check proto
+.PHONY: constraints setup demo test test-unit test-integration test-stress chaos lint typecheck fmt bench \
+	bench-quick clean redis-check prometheus-check bwrap-check proto
 
 setup: $(STAMP) redis-check prometheus-check bwrap-check
 
@@ -103,8 +103,18 @@ fmt: setup
 typecheck: setup
 	$(BIN)/mypy runtime scheduler breakers actors cluster testbed
 
+# The full set at default settings (headline results, about 2 hours on 2 cores), then the README table.
+# bench-quick checks every benchmark works in minutes; it writes <name>.quick.json, never the headline files.
+BENCHES := log_append turn_overhead guard_throughput node_capacity rate_limit retry_storm control_latency
+
 bench: setup
-	$(BIN)/python -m benchmarks.rate_limit --quick --out benchmarks/results/rate_limit.json
+	@set -e; for b in $(BENCHES); do echo "== benchmarks.$$b"; $(BIN)/python -m benchmarks.$$b; done
+	@if [ -f benchmarks/chaos.py ]; then echo "== benchmarks.chaos"; $(BIN)/python -m benchmarks.chaos; fi
+	$(BIN)/python -m benchmarks.readme_table
+
+bench-quick: setup
+	@set -e; for b in $(filter-out control_latency,$(BENCHES)); do echo "== benchmarks.$$b --quick"; \
+		$(BIN)/python -m benchmarks.$$b --quick; done
 
 clean:
 	rm -rf $(VENV) .tether .pytest_cache .mypy_cache .ruff_cache build *.egg-info

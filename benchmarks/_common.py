@@ -1,7 +1,14 @@
-"""Small helpers shared by the benchmarks: percentiles, timing, and writing results as JSON + PNG.
+"""Small helpers shared by the benchmarks: percentiles, timing, provenance, and writing results.
 
 Benchmarks measure against a baseline in the same run and write ``benchmarks/results/<name>.json`` plus a
 PNG next to it. Nothing here asserts on speed; it only records.
+
+Every result carries its provenance (:func:`provenance`): the commit it measured (and whether the tree
+had uncommitted changes), the machine calibration taken before and after the run (a fixed CPU loop,
+process spawn, fsync, load average, free memory: numbers from a busy machine say so), and the settings.
+Headline numbers are repeated (``--runs``, at least 3) and reported as ``{min, median, max}``
+(:func:`spread`). A ``--quick`` run writes ``<name>.quick.json`` next to the headline file, never over it
+(:func:`result_path`).
 """
 
 from __future__ import annotations
@@ -10,20 +17,31 @@ import json
 import math
 import os
 import platform
+import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "MIN_RUNS",
     "RESULTS_DIR",
     "Stopwatch",
+    "calibration",
     "environment",
+    "git_commit",
     "percentile",
+    "provenance",
+    "result_path",
+    "spread",
     "summarize_ms",
     "write_json",
     "write_plot",
 ]
+
+MIN_RUNS = 3
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -81,6 +99,101 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def spread(values: Sequence[float], digits: int = 4) -> dict[str, float | int]:
+    """``{min, median, max, runs}`` of one headline quantity over repeated runs."""
+    if not values:
+        raise ValueError("spread of no runs")
+    return {
+        "min": round(min(values), digits),
+        "median": round(statistics.median(values), digits),
+        "max": round(max(values), digits),
+        "runs": len(values),
+    }
+
+
+def git_commit() -> dict[str, Any]:
+    """The commit measured, and whether the working tree differed from it (``dirty``)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"sha": None, "dirty": None}
+    # results files are rewritten by the run itself: they do not make the measured code dirty
+    changed = [line for line in status.splitlines() if "benchmarks/results/" not in line]
+    return {"sha": sha, "dirty": bool(changed)}
+
+
+def _meminfo_mb(field: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return -1
+
+
+def calibration() -> dict[str, Any]:
+    """A few fixed operations timed now, to compare machines and to tell a busy machine from a quiet one.
+
+    The same operations as the test suite's summary line (``tests/conftest.py``); where the suite was
+    written a quiet run gave cpu loop 0.07-0.15 s, process spawn ~1 ms, fsync ~0.2 ms.
+    """
+    started = time.perf_counter()
+    total = 0
+    for i in range(2_000_000):
+        total += i
+    cpu = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(10):
+        subprocess.run(["true"], check=False)
+    spawn = (time.perf_counter() - started) / 10
+    with tempfile.NamedTemporaryFile() as f:
+        started = time.perf_counter()
+        for _ in range(20):
+            f.write(b"x" * 64)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync = (time.perf_counter() - started) / 20
+    load = os.getloadavg()
+    return {
+        "cpu_loop_s": round(cpu, 3),
+        "process_spawn_ms": round(spawn * 1000, 2),
+        "fsync_ms": round(fsync * 1000, 2),
+        "load_avg": [round(x, 2) for x in load],
+        "cpus": os.cpu_count(),
+        "mem_available_mb": _meminfo_mb("MemAvailable"),
+        "mem_total_mb": _meminfo_mb("MemTotal"),
+        "busy": load[0] > 0.75 * (os.cpu_count() or 1),
+    }
+
+
+def provenance(settings: Mapping[str, Any], before: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a result was measured on: commit, environment, calibration before (``before``, taken when the
+    run started) and now, and the run's settings."""
+    return {
+        "commit": git_commit(),
+        "environment": environment(),
+        "calibration": {"before": dict(before) if before else None, "after": calibration()},
+        "settings": dict(settings),
+    }
+
+
+def result_path(name: str, quick: bool = False, results_dir: Path = RESULTS_DIR) -> Path:
+    """``<name>.json`` for a headline run, ``<name>.quick.json`` for a quick one (never the headline)."""
+    return results_dir / (f"{name}.quick.json" if quick else f"{name}.json")
 
 
 def write_json(name: str, data: Mapping[str, Any], results_dir: Path = RESULTS_DIR) -> Path:

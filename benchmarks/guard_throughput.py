@@ -27,7 +27,16 @@ from typing import Any
 
 import ray
 
-from benchmarks._common import RESULTS_DIR, environment, summarize_ms, write_json, write_plot
+from benchmarks._common import (
+    MIN_RUNS,
+    calibration,
+    provenance,
+    result_path,
+    spread,
+    summarize_ms,
+    write_json,
+    write_plot,
+)
 from breakers import BreakerPolicy, BulkheadPolicy, GuardPolicy
 from breakers.guard import GuardHandle
 from runtime.ports import OutcomeClass
@@ -115,6 +124,7 @@ async def measure(n: int, rounds: int, concurrency: int, seconds: float) -> dict
         "latency": lat,
         "throughput_per_s": {s: round(v, 1) for s, v in mean_rate.items()},
         "throughput_rounds_per_s": {s: [round(x, 1) for x in v] for s, v in rates.items()},
+        "throughput_spread_per_s": {s: spread(v, 1) for s, v in rates.items()},
         "ratios": {
             # round trips/s through the guard relative to a bare actor round trip
             "guard_rtt_vs_bare": round(mean_rate["guard_admit_release"] * 2 / mean_rate["bare_ping"], 3),
@@ -132,11 +142,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=3000, help="sequential latency samples per shape")
     parser.add_argument("--concurrency", type=int, default=32, help="concurrent callers for throughput")
     parser.add_argument("--seconds", type=float, default=24.0, help="throughput time per shape, all rounds")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / f"{NAME}.json")
+    parser.add_argument("--rounds", type=int, default=4, help=f"throughput repetitions (at least {MIN_RUNS})")
+    parser.add_argument(
+        "--out", type=Path, help="result path (default: results/guard_throughput[.quick].json)"
+    )
     args = parser.parse_args()
     if args.quick:
-        args.n, args.seconds, args.rounds = 400, 6.0, 2
+        args.n, args.seconds, args.rounds = 400, 6.0, MIN_RUNS
+    args.rounds = max(MIN_RUNS, args.rounds)
+    before = calibration()
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(
@@ -153,7 +167,7 @@ def main() -> None:
         ray.shutdown()
 
     samples = result.pop("_samples")
-    out: Path = args.out
+    out: Path = args.out or result_path(NAME, args.quick)
     data = {
         **result,
         "params": {
@@ -169,7 +183,10 @@ def main() -> None:
             "guard_admit_release": "admit + release: two guard round trips (throughput counts pairs)",
             "guarded_call": "admit + record + release: the three guard round trips one tool call makes",
         },
-        "environment": environment(),
+        **provenance(
+            {"n": args.n, "concurrency": args.concurrency, "seconds": args.seconds, "rounds": args.rounds},
+            before,
+        ),
     }
     json_path = write_json(out.stem, data, out.parent)
     png_path = write_plot(

@@ -5,7 +5,10 @@ Appends go through ``RedisLogStore.append`` (the path every intent takes), with 
 for both. Rounds interleave the two servers in a shuffled order so drift in machine load (other jobs on
 this 2-core box) hits both equally. Result: ``benchmarks/results/log_append.json`` + ``.png``.
 
-    .venv/bin/python -m benchmarks.log_append [--n 3000] [--warmup 200]
+Repeated ``--runs`` times (each run: fresh appends on the same servers); p50/p99 per run as
+min/median/max, and the pooled distribution.
+
+    .venv/bin/python -m benchmarks.log_append [--n 3000] [--warmup 200] [--runs 3] [--quick]
 """
 
 from __future__ import annotations
@@ -18,7 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import environment, summarize_ms, write_json, write_plot
+from benchmarks._common import (
+    MIN_RUNS,
+    calibration,
+    percentile,
+    provenance,
+    result_path,
+    spread,
+    summarize_ms,
+    write_json,
+    write_plot,
+)
 from cluster.log_store import RedisLogStore
 from cluster.redis_server import RedisServer
 
@@ -70,18 +83,34 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=3000, help="measured appends per fsync mode")
     parser.add_argument("--warmup", type=int, default=200, help="unmeasured appends per mode first")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=MIN_RUNS, help=f"repetitions (at least {MIN_RUNS})")
+    parser.add_argument("--quick", action="store_true", help="300 appends per mode and run")
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.warmup = 300, 50
+    args.runs = max(MIN_RUNS, args.runs)
+    before = calibration()
 
+    per_run: list[dict[str, list[float]]] = []
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         servers = {mode: RedisServer(data_dir=Path(tmp) / mode, appendfsync=mode) for mode in MODES}
         try:
             urls = {mode: server.start().url for mode, server in servers.items()}
-            samples = asyncio.run(measure(urls, args.n, args.warmup, args.seed))
+            for run in range(args.runs):
+                per_run.append(asyncio.run(measure(urls, args.n, args.warmup, args.seed + run)))
         finally:
             for server in servers.values():
                 server.stop()
+    samples = {mode: [x for r in per_run for x in r[mode]] for mode in MODES}
 
     result: dict[str, object] = {mode: summarize_ms(samples[mode]) for mode in MODES}
+    result["runs"] = {
+        mode: {
+            "p50_ms": spread([percentile(r[mode], 50) * 1000 for r in per_run], 3),
+            "p99_ms": spread([percentile(r[mode], 99) * 1000 for r in per_run], 3),
+        }
+        for mode in MODES
+    }
     always, everysec = summarize_ms(samples["always"]), summarize_ms(samples["everysec"])
     result["ratio_always_over_everysec"] = {
         "p50": round(always["p50_ms"] / everysec["p50_ms"], 2),
@@ -92,10 +121,13 @@ def main() -> None:
     result["payload_bytes"] = list(PAYLOAD_SIZES)
     result["path"] = "RedisLogStore.append (redis.asyncio XADD) to a loopback redis-server, AOF on"
     result["data_dir_filesystem"] = filesystem_of(Path(tempfile.gettempdir()))
-    result["environment"] = environment()
-    json_path = write_json(NAME, result)
+    result.update(
+        provenance({"n": args.n, "warmup": args.warmup, "runs": args.runs, "seed": args.seed}, before)
+    )
+    out = result_path(NAME, args.quick)
+    json_path = write_json(out.stem, result, out.parent)
     png_path = write_plot(
-        NAME,
+        out.stem,
         {f"appendfsync {mode}": [s * 1000 for s in samples[mode]] for mode in MODES},
         title=f"Log append latency, {args.n} appends/mode, payloads {'/'.join(map(str, PAYLOAD_SIZES))} B",
     )

@@ -1,30 +1,32 @@
-"""Shared rate limit benchmark: Tether's scheduler vs naive SDK retries vs a static per-trajectory split.
+"""Shared rate limit: N trajectories against one provider key, four admission policies side by side.
 
-One testbed provider (sliding-window TPM/RPM limits, 429 + Retry-After, its own counters) serves N
-concurrent trajectories, three ways, one after the other, with the provider reset in between:
+One testbed provider (``testbed/provider``: by default the OpenAI-like limiter, a sliding minute window
+that is also enforced per sub-window, where a 429 still costs its request and prompt;
+``--provider-mode token_bucket`` for the Anthropic-like bucket) serves N concurrent trajectory slots. In
+every run each policy gets the same provider, freshly reset, one after the other:
 
-1. ``tether``: every model call is admitted by one shared scheduler (``InProcessScheduler`` over the
-   same ``SchedulerCore`` the actor runs; ``--ray`` uses the real actor through ``SchedulerHandle``),
-   settled with the provider-reported usage, 429s reported back. SDK retries off.
-2. ``naive``: each trajectory has its own ``openai.AsyncOpenAI`` with the SDK's default retries
-   (exponential backoff, ``Retry-After`` honoured) and no shared limiter; after the SDK gives up the
-   trajectory retries the turn.
-3. ``static_split``: each trajectory has its own local limiter (the same bucket + window code) holding
-   L/N; SDK retries off.
+- ``tether``: the real trajectory code (the decider through its interpreter) and the real scheduler at its
+  default settings, one scheduler for every trajectory (see :mod:`benchmarks._rate_policies`);
+- ``sdk_default``: the ``openai`` SDK with its own retries in a plain agent loop;
+- ``backoff``: per-trajectory full-jitter exponential backoff honouring ``Retry-After`` (the provider
+  cookbook's recommendation), SDK retries off;
+- ``static_split``: Tether's trajectory code and scheduler, but the limit split statically across three jobs
+  (one per class, each holding its share of the trajectories' share of the limit).
 
-A trajectory is an asyncio task in this process (200 Ray actors do not fit a 2-core machine): it loops
-model call → tool time → model call. The priority classes are equal thirds of the trajectories; every
-class asks for far more than its weighted share (interactive turns are small but come back fast), so all
-three are backlogged and the class shares under saturation are measurable.
+Trajectory slots are asyncio tasks in this process (200 Ray actors of ~150 MB do not fit beside the other work
+on this 2-core machine; ``benchmarks/node_capacity.py`` measures what actors cost); ``--ray`` admits through
+the scheduler actor instead of the in-process scheduler. Classes are dealt 40/30/30 % interactive/standard/
+batch, and each asks for far more than its weighted share, so all three are backlogged.
 
-Each policy runs ``warmup`` (one provider window, so a policy cannot profit from an empty window) and
-then ``measure`` seconds. Everything below is judged from the provider's own counters over the measured
-interval (``GET /testbed/stats`` before and after), except the wait, which only a client can see:
-``wait_ms`` is from "turn ready" to its first streamed token (scheduler wait or SDK backoff and 429
-round trips, plus the provider's time to first token).
+Each policy runs ``warmup`` (one provider window: nobody profits from an empty window) then ``measure`` (two
+windows). Judged by the provider's own counters over the measured interval: **goodput** (tokens billed for
+served requests per window / the limit), **429s**, **completed trajectories per minute**, class shares of the
+tokens; the client's view: per class p50/p99 **wait** from "turn ready" to the model's complete reply (429
+round trips and backoff included). Every quantity is repeated ``--runs`` times (min/median/max).
 
-``python -m benchmarks.rate_limit --quick --out PATH`` runs a time-compressed version (5 s provider
-windows) in under a minute with the same report shape.
+    .venv/bin/python -m benchmarks.rate_limit [--quick] [--runs 3] [--provider-mode token_bucket] [--ray]
+
+Writes ``benchmarks/results/rate_limit.json`` (``--quick``: ``rate_limit.quick.json``) and a PNG.
 """
 
 from __future__ import annotations
@@ -32,48 +34,45 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import logging
 import os
 import random
+import sys
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import openai
 
-from actors.model_openai import estimate_prompt_tokens
-from benchmarks._common import RESULTS_DIR, environment, percentile
-from runtime.ports import AdmissionPort, ModelRequest, TurnRequest
+from actors.launch import ProviderLaunch
+from actors.model_openai import OpenAIModel
+from benchmarks._common import (
+    MIN_RUNS,
+    calibration,
+    percentile,
+    provenance,
+    result_path,
+    spread,
+    write_json,
+)
+from benchmarks._rate_policies import ClassSpec, Trace, baseline_trajectory, run_tether
+from runtime.ports import AdmissionPort
 from scheduler import InProcessScheduler, ProviderLimits, SchedulerConfig
-from testbed.provider import ProviderConfig, start_provider_subprocess
-from testbed.provider.server import SCENARIO_HEADER, TRAJECTORY_HEADER
+from testbed.provider import LimiterMode, ProviderConfig, start_provider_subprocess
 
-POLICIES = ("tether", "naive", "static_split")
+NAME = "rate_limit"
+POLICIES = ("tether", "sdk_default", "backoff", "static_split")
 MODEL = "tether-sim"
-HEADROOM = 0.05
-
-
-@dataclass(frozen=True)
-class ClassSpec:
-    """One priority class's turns: prompt size, output, and how long its tool step takes."""
-
-    name: str
-    weight: float
-    prompt_words: int
-    max_tokens: int
-    completion_tokens: int
-    tool_s: tuple[float, float]  # usual tool time, uniform
-    long_tool_p: float  # chance a tool step is a long build of 1-2 provider windows
-
 
 CLASSES = (
-    ClassSpec("interactive", 4.0, 60, 40, 24, (0.05, 0.2), 0.0),
-    ClassSpec("standard", 2.0, 160, 64, 40, (0.1, 0.5), 0.10),
-    ClassSpec("batch", 1.0, 280, 96, 64, (0.1, 0.5), 0.20),
+    ClassSpec(
+        "interactive", 4.0, 0.4, goal_words=60, max_tokens=40, turns=3, tool_s=(0.05, 0.2), long_tool_p=0.0
+    ),
+    ClassSpec(
+        "standard", 2.0, 0.3, goal_words=160, max_tokens=64, turns=5, tool_s=(0.1, 0.5), long_tool_p=0.1
+    ),
+    ClassSpec("batch", 1.0, 0.3, goal_words=280, max_tokens=96, turns=8, tool_s=(0.1, 0.5), long_tool_p=0.2),
 )
 
 
@@ -85,19 +84,23 @@ class RunSpec:
     window_s: float
     warmup_s: float
     measure_s: float
+    runs: int = 3
+    sub_window_s: float | None = None  # None: window / 60, as the provider's default
+    provider_mode: str = LimiterMode.SLIDING_WINDOW.value
+    headroom: float | None = None  # None: the scheduler's default
     ttft_ms: float = 50.0
     tokens_per_s: float = 400.0
     seed: int = 7
     use_ray: bool = False
-    headroom: float = HEADROOM  # the scheduler's default: capacity = limit x (1 - headroom)
+    quick: bool = False
 
     @property
     def limit_tpm(self) -> float:
         return self.limit_tokens * 60.0 / self.window_s
 
 
-# The measured interval is a whole number of provider windows: the provider allows L per sliding window,
-# so over a fractional interval a policy could show more than L per window without exceeding the limit.
+# A whole number of provider windows is measured: over a fractional interval a policy could show more than
+# L per window without exceeding the limit.
 FULL = RunSpec(
     trajectories=200,
     limit_tokens=180_000,
@@ -106,279 +109,228 @@ FULL = RunSpec(
     warmup_s=60.0,
     measure_s=120.0,
 )
+# Time-compressed, to check the benchmark works: 10 s windows; the sub-window stays 1 s (a tenth of a second
+# would measure this machine's scheduling jitter, not the policies).
 QUICK = RunSpec(
-    trajectories=30, limit_tokens=15_000, limit_requests=200, window_s=4.0, warmup_s=4.0, measure_s=8.0
+    trajectories=30,
+    limit_tokens=20_000,
+    limit_requests=300,
+    window_s=10.0,
+    warmup_s=10.0,
+    measure_s=20.0,
+    sub_window_s=1.0,
+    quick=True,
 )
 
 
-@dataclass
-class Trace:
-    """What the client saw: waits per class, 429s it was handed, prompt estimates vs provider counts."""
-
-    waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    under_estimates: int = 0
-    turns: int = 0
-    measuring: bool = False
-
-
-# Share of trajectories per class. Interactive gets the most: its turns are small and a trajectory has
-# one turn in flight at a time, so it takes many of them to keep the class backlogged at a 4/7 share.
-MIX = (("interactive", 0.4), ("standard", 0.3), ("batch", 0.3))
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def class_of(index: int, trajectories: int) -> ClassSpec:
-    """Trajectories 0..N-1 are dealt to classes by ``MIX``, interleaved so start-up order is fair."""
-    by_name = {c.name: c for c in CLASSES}
-    counts = {name: round(share * trajectories) for name, share in MIX}
+    """Slots 0..N-1 are dealt to classes by their share, interleaved so start-up order is fair."""
+    counts = {c.name: round(c.share * trajectories) for c in CLASSES}
     order: list[str] = []
     while len(order) < trajectories:
-        for name, _ in MIX:
-            if counts[name] > 0 and len(order) < trajectories:
-                order.append(name)
-                counts[name] -= 1
+        for c in CLASSES:
+            if counts[c.name] > 0 and len(order) < trajectories:
+                order.append(c.name)
+                counts[c.name] -= 1
         if all(v <= 0 for v in counts.values()):
-            order.extend(MIX[0][0] for _ in range(trajectories - len(order)))
-    return by_name[order[index]]
-
-
-def build_request(trajectory: str, spec: ClassSpec, turn: int, rng: random.Random) -> ModelRequest:
-    words = " ".join(
-        rng.choice(("plan", "edit", "test", "fix", "read", "log", "diff")) for _ in range(spec.prompt_words)
-    )
-    return ModelRequest(
-        trajectory_id=trajectory,
-        model=MODEL,
-        messages=[{"role": "user", "content": f"turn {turn}: {words}"}],
-        max_tokens=spec.max_tokens,
-        deadline=time.time() + 3_600,
-    )
-
-
-async def stream_call(
-    client: openai.AsyncOpenAI, request: ModelRequest, spec: ClassSpec
-) -> tuple[float, Any]:
-    """One streamed call. Returns (time of first token, provider usage)."""
-    first = 0.0
-    usage = None
-    kwargs: dict[str, Any] = {
-        "model": request.model,
-        "messages": list(request.messages),
-        "max_tokens": request.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "extra_headers": {
-            TRAJECTORY_HEADER: request.trajectory_id,
-            SCENARIO_HEADER: f"slow:{spec.completion_tokens}",
-        },
-    }
-    stream = await client.chat.completions.create(**kwargs)
-    async for chunk in stream:
-        if not first and chunk.choices:
-            first = time.monotonic()
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return first, usage
-
-
-def retry_after_of(error: openai.RateLimitError) -> float | None:
-    headers = error.response.headers
-    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is not None:
-            with contextlib.suppress(ValueError):
-                return float(value) * scale
-    return None
-
-
-async def trajectory_loop(
-    index: int,
-    spec: RunSpec,
-    client: openai.AsyncOpenAI,
-    port: AdmissionPort | None,
-    provider_key: str,
-    trace: Trace,
-) -> None:
-    """Model call, tool time, model call, ... until cancelled. ``port`` None: call the provider directly."""
-    cls = class_of(index, spec.trajectories)
-    name = f"{cls.name}-{index}"
-    rng = random.Random(spec.seed * 1_000 + index)
-    turn = 0
-    while True:
-        turn += 1
-        request = build_request(name, cls, turn, rng)
-        estimate = estimate_prompt_tokens(request) + request.max_tokens
-        ready = time.monotonic()
-        while True:  # until the turn is accepted
-            grant = None
-            if port is not None:
-                grant = await port.admit_turn(
-                    TurnRequest(name, cls.name, provider_key, estimate, request.deadline)
-                )
-            try:
-                first, usage = await stream_call(client, request, cls)
-            except openai.RateLimitError as limited:
-                if port is not None and grant is not None:
-                    await port.report_rate_limited(provider_key, retry_after_of(limited), {})
-                    await port.settle_turn(grant.grant_id, 0)
-                continue
-            break
-        if port is not None and grant is not None:
-            await port.settle_turn(grant.grant_id, usage.total_tokens if usage else estimate)
-        if trace.measuring:
-            trace.turns += 1
-            trace.waits[cls.name].append(first - ready)
-            if usage is not None and usage.prompt_tokens + request.max_tokens > estimate:
-                trace.under_estimates += 1
-        tool_s = rng.uniform(*cls.tool_s)
-        if rng.random() < cls.long_tool_p:
-            tool_s = rng.uniform(1.0, 2.0) * spec.window_s
-        await asyncio.sleep(tool_s)
+            order.extend(CLASSES[0].name for _ in range(trajectories - len(order)))
+    return next(c for c in CLASSES if c.name == order[index])
 
 
 def limits_for(spec: RunSpec, share: float = 1.0) -> ProviderLimits:
+    extra: dict[str, Any] = {} if spec.headroom is None else {"headroom": spec.headroom}
     return ProviderLimits(
         tokens_per_minute=max(1, int(spec.limit_tokens * share)),
         requests_per_minute=max(2, int(spec.limit_requests * share)),
-        headroom=spec.headroom,
         window_s=spec.window_s,
+        sub_window_s=spec.sub_window_s,
+        **extra,
     )
 
 
-async def run_policy(
-    policy: str, spec: RunSpec, base_url: str, stats: Callable[[], dict[str, Any]], reset: Callable[[], None]
-) -> dict[str, Any]:
-    provider_key = f"{base_url}|{MODEL}"
+Slot = Callable[[str, ClassSpec, random.Random], Awaitable[bool]]
+
+
+async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> dict[str, Any]:
+    base_url = provider.base_url
+    key = ProviderLaunch(base_url=base_url, model=MODEL).provider_key  # the scheduler key the actor uses
     trace = Trace()
     closers: list[Callable[[], Awaitable[None]]] = []
-    n = spec.trajectories
     shared = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     closers.append(shared.close)
-    ports: list[AdmissionPort | None]
-    clients: list[openai.AsyncOpenAI]
+
+    def tether_slot(port_of: Callable[[ClassSpec], AdmissionPort]) -> Slot:
+        model = OpenAIModel(base_url=base_url, client=shared)
+
+        async def slot(tid: str, cls: ClassSpec, rng: random.Random) -> bool:
+            return await run_tether(
+                tid,
+                cls,
+                model=model,
+                admission=port_of(cls),
+                base_url=base_url,
+                model_name=MODEL,
+                window_s=spec.window_s,
+                rng=rng,
+                trace=trace,
+            )
+
+        return slot
+
     if policy == "tether":
-        config = SchedulerConfig(providers={provider_key: limits_for(spec)})
+        config = SchedulerConfig(providers={key: limits_for(spec)})
         if spec.use_ray:
             from scheduler.actor import SchedulerHandle
 
-            port: AdmissionPort = SchedulerHandle.connect(config)
+            port: AdmissionPort = SchedulerHandle.connect(config, name=f"bench-scheduler-{run_no}")
         else:
             scheduler = InProcessScheduler(config)
             closers.append(scheduler.aclose)
             port = scheduler
-        ports, clients = [port] * n, [shared] * n
+        drive = tether_slot(lambda _cls: port)
     elif policy == "static_split":
-        split = [
-            InProcessScheduler(SchedulerConfig(providers={provider_key: limits_for(spec, 1.0 / n)}))
-            for _ in range(n)
-        ]
-        closers.extend(s.aclose for s in split)
-        ports, clients = list(split), [shared] * n
-    elif policy == "naive":
-        own = [
-            openai.AsyncOpenAI(base_url=base_url, api_key="unused") for _ in range(n)
-        ]  # SDK default retries
-        closers.extend(c.close for c in own)
-        ports, clients = [None] * n, own
+        per_job = {
+            c.name: InProcessScheduler(SchedulerConfig(providers={key: limits_for(spec, c.share)}))
+            for c in CLASSES
+        }
+        closers.extend(s.aclose for s in per_job.values())
+        drive = tether_slot(lambda cls: per_job[cls.name])
+    elif policy in ("sdk_default", "backoff"):
+        client = (
+            openai.AsyncOpenAI(base_url=base_url, api_key="unused")  # the SDK's defaults: 2 retries
+            if policy == "sdk_default"
+            else shared
+        )
+        if client is not shared:
+            closers.append(client.close)
+
+        async def drive(tid: str, cls: ClassSpec, rng: random.Random) -> bool:
+            return await baseline_trajectory(
+                tid,
+                cls,
+                policy=policy,
+                client=client,
+                model_name=MODEL,
+                window_s=spec.window_s,
+                rng=rng,
+                trace=trace,
+            )
     else:
         raise ValueError(f"unknown policy {policy!r}")
 
-    reset()
+    async def slot(index: int) -> None:
+        cls = class_of(index, spec.trajectories)
+        rng = random.Random(spec.seed * 100_003 + run_no * 1_009 + index)
+        for k in range(10**9):
+            tid = f"{cls.name}-{index}-{k}"
+            try:
+                completed = await drive(tid, cls, rng)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a trajectory that crashed is a failed trajectory, not a failed benchmark
+                progress(f"{policy}: {tid} raised {type(e).__name__}: {e}")
+                completed = False
+            trace.ended(cls.name, completed)
+
+    await asyncio.to_thread(provider.reset)
     load_before = os.getloadavg()[0]
-    started = time.monotonic()
-    tasks = [
-        asyncio.create_task(trajectory_loop(i, spec, clients[i], ports[i], provider_key, trace))
-        for i in range(n)
-    ]
+    tasks = [asyncio.create_task(slot(i)) for i in range(spec.trajectories)]
     await asyncio.sleep(spec.warmup_s)
-    before = stats()
+    before = await asyncio.to_thread(provider.stats)
     trace.measuring = True
     await asyncio.sleep(spec.measure_s)
     trace.measuring = False
-    after = stats()
+    after = await asyncio.to_thread(provider.stats)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for close in closers:
         with contextlib.suppress(Exception):
             await close()
-    result = summarize(policy, spec, before, after, trace, time.monotonic() - started)
-    # Other work on the machine starves the client and the provider alike: record it beside the numbers.
+    result = summarize(spec, before, after, trace)
     result["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return result
 
 
-def tokens_of(counters: dict[str, Any]) -> int:
+def _tokens(counters: dict[str, Any]) -> int:
     return int(counters.get("prompt_tokens", 0)) + int(counters.get("completion_tokens", 0))
 
 
-def summarize(
-    policy: str, spec: RunSpec, before: dict[str, Any], after: dict[str, Any], trace: Trace, elapsed: float
-) -> dict[str, Any]:
+def summarize(spec: RunSpec, before: dict[str, Any], after: dict[str, Any], trace: Trace) -> dict[str, Any]:
     billed = (after["tokens"]["prompt"] + after["tokens"]["completion"]) - (
         before["tokens"]["prompt"] + before["tokens"]["completion"]
     )
-    # The interval as the provider's clock measured it (a busy client loop can oversleep a little).
-    windows = (after["uptime_s"] - before["uptime_s"]) / spec.window_s
-    by_class: dict[str, int] = dict.fromkeys((c.name for c in CLASSES), 0)
+    windows = (after["uptime_s"] - before["uptime_s"]) / spec.window_s  # as the provider's clock measured it
+    minutes = (after["uptime_s"] - before["uptime_s"]) / 60.0
+    by_class = dict.fromkeys((c.name for c in CLASSES), 0)
     for trajectory, counters in after["trajectories"].items():
         cls = trajectory.split("-", 1)[0]
         if cls in by_class:
-            by_class[cls] += tokens_of(counters) - tokens_of(before["trajectories"].get(trajectory, {}))
+            by_class[cls] += _tokens(counters) - _tokens(before["trajectories"].get(trajectory, {}))
     total = sum(by_class.values()) or 1
     accepted = after["accepted"] - before["accepted"]
-    # Wasted: requests the provider answered without serving them (429s, other rejections, failures).
-    wasted = sum(after[k] - before[k] for k in ("rate_limited", "rejected", "failed"))
-    # Fixed amount of work: 80 % of the limit's worth of tokens over the measured interval, counted from
-    # the provider's per-second timeline; how long each policy took to have it served.
-    warm_t = int(before["uptime_s"])
-    target = 0.8 * spec.limit_tokens * windows
-    done_at: float | None = None
-    cumulative = 0
-    for row in after["timeline"]:
-        if row["t"] < warm_t:
-            continue
-        cumulative += row["tokens"]
-        if cumulative >= target:
-            done_at = row["t"] + 1 - warm_t
-            break
-    timeline = [(row["t"], row["tokens"]) for row in after["timeline"]]
+    prompt = after["tokens"]["prompt"] - before["tokens"]["prompt"]
     return {
-        "goodput_ratio": round(billed / (spec.limit_tokens * windows), 4),
+        "goodput_ratio": billed / (spec.limit_tokens * windows),
         "rate_limited": after["rate_limited"] - before["rate_limited"],
-        "wasted_requests": wasted,
-        "wait_ms": {
-            c.name: {
-                "p50": round(percentile(trace.waits[c.name], 50) * 1000, 1) if trace.waits[c.name] else None,
-                "p99": round(percentile(trace.waits[c.name], 99) * 1000, 1) if trace.waits[c.name] else None,
-            }
-            for c in CLASSES
-        },
-        "class_share": {name: round(tokens / total, 4) for name, tokens in by_class.items()},
-        "accepted_tokens": billed,
-        "accepted_requests": accepted,
-        "time_to_fixed_work_s": done_at,
-        "fixed_work_tokens": int(target),
-        "prompt_under_estimates": trace.under_estimates,
-        "elapsed_s": round(elapsed, 1),
-        "_timeline": timeline,
+        "completed_per_min": sum(trace.completed.values()) / (spec.measure_s / 60.0),
+        "completed": dict(trace.completed),
+        "failed": dict(trace.failed),
+        "accepted_requests_per_min": accepted / minutes,
+        "prompt_tokens_per_request": prompt / accepted if accepted else None,
+        "class_share": {name: tokens / total for name, tokens in by_class.items()},
+        "waits": {name: list(samples) for name, samples in trace.waits.items()},
+        "timeline": [(row["t"], row["tokens"]) for row in after["timeline"]],
     }
 
 
-def class_share_error_pp(shares: dict[str, float]) -> float:
-    total_weight = sum(c.weight for c in CLASSES)
-    return round(max(abs(shares[c.name] - c.weight / total_weight) * 100 for c in CLASSES), 2)
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy over its runs: spreads of the headline numbers, waits pooled over runs."""
+    waits: dict[str, list[float]] = {c.name: [] for c in CLASSES}
+    for r in runs:
+        for name, samples in r["waits"].items():
+            waits[name] += samples
+
+    def pct(samples: list[float], q: float) -> float | None:
+        return round(percentile(samples, q) * 1000, 1) if samples else None
+
+    return {
+        "goodput_ratio": spread([r["goodput_ratio"] for r in runs]),
+        "rate_limited": spread([float(r["rate_limited"]) for r in runs], 0),
+        "completed_per_min": spread([r["completed_per_min"] for r in runs], 1),
+        "failed_trajectories": spread([float(sum(r["failed"].values())) for r in runs], 0),
+        "accepted_requests_per_min": spread([r["accepted_requests_per_min"] for r in runs], 1),
+        "prompt_tokens_per_request": spread([r["prompt_tokens_per_request"] or 0.0 for r in runs], 1),
+        "wait_ms": {
+            name: {"p50": pct(s, 50), "p99": pct(s, 99), "samples": len(s)} for name, s in waits.items()
+        },
+        "wait_p99_ms_per_run": {
+            name: spread(
+                [percentile(r["waits"][name], 99) * 1000 for r in runs if r["waits"].get(name)] or [0.0], 1
+            )
+            for name in waits
+        },
+        "class_share": {c.name: spread([r["class_share"][c.name] for r in runs]) for c in CLASSES},
+        "load_avg_1m": [r["load_avg_1m"] for r in runs],
+    }
 
 
-def write_png(path: Path, spec: RunSpec, results: dict[str, dict[str, Any]]) -> None:
+def write_png(
+    path: Path, spec: RunSpec, last: dict[str, dict[str, Any]], agg: dict[str, dict[str, Any]]
+) -> None:
     import matplotlib
 
-    matplotlib.use("Agg")  # headless
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (ax_t, ax_w) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
     per_window = max(1, round(spec.window_s))
-    for policy, result in results.items():
-        rows = dict(result["_timeline"])
+    for policy, result in last.items():
+        rows = dict(result["timeline"])
         if not rows:
             continue
         horizon = max(rows) + 1
@@ -386,129 +338,123 @@ def write_png(path: Path, spec: RunSpec, results: dict[str, dict[str, Any]]) -> 
         rolling = [
             sum(series[max(0, t - per_window + 1) : t + 1]) / spec.limit_tokens for t in range(horizon)
         ]
-        ax_t.plot(range(horizon), rolling, label=f"{policy} (goodput {result['goodput_ratio']:.2f} L)")
+        g = agg[policy]["goodput_ratio"]["median"]
+        ax_t.plot(range(horizon), rolling, label=f"{policy} (goodput median {g:.3f} L)")
     ax_t.axhline(1.0, color="grey", linestyle=":", label="provider limit L")
-    ax_t.axhline(1.0 - spec.headroom, color="grey", linestyle="--", linewidth=0.8, label="L * (1 - headroom)")
     ax_t.axvline(spec.warmup_s, color="black", linewidth=0.6)
-    ax_t.set_xlabel("seconds since start (measured after the vertical line)")
-    ax_t.set_ylabel(f"accepted tokens in the last {spec.window_s:g} s / L")
-    ax_t.set_title(f"throughput, {spec.trajectories} trajectories")
+    ax_t.set_xlabel("seconds since start, last run (measured after the vertical line)")
+    ax_t.set_ylabel(f"served tokens in the last {spec.window_s:g} s / L")
+    ax_t.set_title(f"{spec.trajectories} trajectories, provider {spec.provider_mode}")
     ax_t.legend(fontsize=8, loc="lower right")
     ax_t.grid(alpha=0.3)
     names = [c.name for c in CLASSES]
-    total_weight = sum(c.weight for c in CLASSES)
-    width = 0.2
-    xs = range(len(names))
-    ax_s.bar(
-        [x - 1.5 * width for x in xs],
-        [c.weight / total_weight for c in CLASSES],
-        width,
-        label="weight",
-        color="lightgrey",
-    )
-    for k, (policy, result) in enumerate(results.items()):
-        ax_s.bar(
-            [x + (k - 0.5) * width for x in xs],
-            [result["class_share"][n] for n in names],
-            width,
-            label=policy,
-        )
-    ax_s.set_xticks(list(xs), names)
-    ax_s.set_ylabel("share of accepted tokens")
-    ax_s.set_title("class shares under saturation")
-    ax_s.legend(fontsize=8)
+    width = 0.8 / max(1, len(agg))
+    for k, (policy, a) in enumerate(agg.items()):
+        p99 = [(a["wait_ms"][n]["p99"] or 0) / 1000 for n in names]
+        ax_w.bar([x + k * width for x in range(len(names))], p99, width, label=policy)
+    ax_w.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+    ax_w.set_yscale("log")
+    ax_w.set_ylabel("p99 wait, ready -> reply (s)")
+    ax_w.set_title("per-class p99 wait (all runs pooled)")
+    ax_w.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
+    before = calibration()
     provider = start_provider_subprocess(
         ProviderConfig(
             tpm=spec.limit_tokens,
             rpm=spec.limit_requests,
             window_s=spec.window_s,
+            sub_window_s=spec.sub_window_s,
+            limiter=LimiterMode(spec.provider_mode),
             ttft_ms=spec.ttft_ms,
             tokens_per_s=spec.tokens_per_s,
             models=(MODEL,),
         )
     )
-    try:
-        if spec.use_ray:
-            import ray
+    if spec.use_ray:
+        from cluster.runner import start_local_ray
 
-            ray.init(
-                _node_ip_address="127.0.0.1",  # loopback only
-                num_cpus=1,
-                include_dashboard=False,
-                namespace="tether",
-                logging_level=logging.WARNING,
-            )
-        results: dict[str, dict[str, Any]] = {}
-        for policy in policies:
-            results[policy] = await run_policy(
-                policy, spec, provider.base_url, provider.stats, provider.reset
-            )
+        start_local_ray(num_cpus=2)
+    per_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    try:
+        for run_no in range(spec.runs):
+            for policy in policies:
+                progress(f"run {run_no + 1}/{spec.runs}: {policy}")
+                result = await run_policy(policy, spec, provider, run_no)
+                per_policy[policy].append(result)
+                progress(
+                    f"  goodput {result['goodput_ratio']:.3f}, 429s {result['rate_limited']}, "
+                    f"completed/min {result['completed_per_min']:.1f}"
+                )
     finally:
         provider.stop()
         if spec.use_ray:
             import ray
 
             ray.shutdown()
+    agg = {p: aggregate(rs) for p, rs in per_policy.items()}
+    last = {p: rs[-1] for p, rs in per_policy.items()}
+    settings = {**asdict(spec), "classes": [asdict(c) for c in CLASSES], "policies": list(policies)}
+    settings["scheduler"] = (
+        "SchedulerHandle (Ray actor)" if spec.use_ray else "InProcessScheduler (same core)"
+    )
+    settings["headroom_used"] = limits_for(spec).headroom
+    settings["trajectory_code"] = (
+        "runtime.decide through actors.interpreter.Interpreter (tether, static_split); "
+        "openai SDK loop (others)"
+    )
     return {
+        "runs": spec.runs,
+        "provider_mode": spec.provider_mode,
         "trajectories": spec.trajectories,
         "limit_tpm": spec.limit_tpm,
-        "policies": results,
-        "class_share_error_pp": class_share_error_pp(results["tether"]["class_share"])
-        if "tether" in results
-        else None,
-        "setup": {
-            "provider_window_s": spec.window_s,
-            "limit_tokens_per_window": spec.limit_tokens,
-            "limit_requests_per_window": spec.limit_requests,
-            "warmup_s": spec.warmup_s,
-            "measure_s": spec.measure_s,
-            "headroom": spec.headroom,
-            "scheduler": "SchedulerHandle (Ray actor)" if spec.use_ray else "InProcessScheduler (same core)",
-            "trajectory": "asyncio task in one process: model call, tool time, model call, ...",
-            "classes": [c.__dict__ for c in CLASSES],
-            "ttft_ms": spec.ttft_ms,
-            "tokens_per_s": spec.tokens_per_s,
-        },
-        "environment": environment(),
+        "policies": agg,
+        "_last": last,
+        **provenance(settings, before),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="time-compressed run (5 s windows), under a minute"
-    )
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "rate_limit.json")
+    parser.add_argument("--quick", action="store_true", help="time-compressed (10 s windows), a few minutes")
+    parser.add_argument("--runs", type=int, help=f"repetitions of every policy (at least {MIN_RUNS})")
     parser.add_argument("--trajectories", type=int)
     parser.add_argument("--measure-s", type=float)
-    parser.add_argument(
-        "--ray", action="store_true", help="admit through the scheduler actor instead of in-process"
-    )
+    parser.add_argument("--provider-mode", choices=[m.value for m in LimiterMode])
+    parser.add_argument("--headroom", type=float, help="override the scheduler's default headroom")
+    parser.add_argument("--ray", action="store_true", help="admit through the scheduler actor")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument(
-        "--headroom", type=float, default=HEADROOM, help="scheduler headroom below the limit (default 0.05)"
-    )
+    parser.add_argument("--out", type=Path, help="result path (default: results/rate_limit[.quick].json)")
     args = parser.parse_args(argv)
     spec = QUICK if args.quick else FULL
-    overrides: dict[str, Any] = {"use_ray": args.ray, "headroom": args.headroom}
-    if args.trajectories:
-        overrides["trajectories"] = args.trajectories
-    if args.measure_s:
-        overrides["measure_s"] = args.measure_s
-    spec = RunSpec(**{**spec.__dict__, **overrides})
+    overrides: dict[str, Any] = {"use_ray": args.ray}
+    for field_name, value in (
+        ("runs", None if args.runs is None else max(MIN_RUNS, args.runs)),
+        ("trajectories", args.trajectories),
+        ("measure_s", args.measure_s),
+        ("provider_mode", args.provider_mode),
+        ("headroom", args.headroom),
+    ):
+        if value is not None:
+            overrides[field_name] = value
+    spec = replace(spec, **overrides)
     report = asyncio.run(run(spec, tuple(p for p in args.policies.split(",") if p)))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_png(args.out.with_suffix(".png"), spec, report["policies"])
-    for result in report["policies"].values():
-        result.pop("_timeline", None)
-    args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k not in ("environment", "setup")}, indent=2))
+    last = report.pop("_last")
+    out: Path = args.out or result_path(NAME, spec.quick)
+    write_png(out.with_suffix(".png"), spec, last, report["policies"])
+    write_json(out.stem, report, out.parent)
+    print(out)
+    for policy, a in report["policies"].items():
+        print(
+            f"{policy:13s} goodput {a['goodput_ratio']}  429s {a['rate_limited']}  "
+            f"completed/min {a['completed_per_min']}  wait p99 ms "
+            f"{ {k: v['p99'] for k, v in a['wait_ms'].items()} }"
+        )
 
 
 if __name__ == "__main__":

@@ -1,360 +1,243 @@
-"""Retry storm: a shared dependency degrades under N trajectories. Tether's single retry owner + breaker +
-bulkhead against naive layered retries (client, gateway and agent, 3 attempts each).
+"""Retry storm: a shared dependency degrades under N trajectories; Tether's single retry owner + breaker +
+bulkhead against a single jittered retry layer and against naive layered retries (3 x 3 x 3).
 
-The dependency is SIMULATED inside this benchmark (first version): a FIFO queue served by a fixed pool of
-workers, with a concurrency counter at the door. During the outage each job takes longer than the
-callers' timeout, and, as in the recovery chapter §12.7, work whose caller gave up keeps running on the
-server (orphaned work). After it heals, jobs are fast again, but whatever backlog the retries built must
-drain first. The testbed's gRPC tool services have static fault knobs, not load-dependent service time,
-so they cannot show this feedback loop yet.
+The dependency is the real testbed gRPC service ``package-search`` (``testbed/tools``), with a load-dependent
+service time (``FaultMode.CONTENDED``: a base time plus a little per call already in service, and work whose
+caller gave up keeps running and keeps its place). Healthy, it answers in tens of milliseconds. During the
+outage its base time jumps above the callers' timeout, so every attempt times out and every retry adds load
+that makes the next attempt slower; after the heal, whatever the retries piled up must drain first.
+The model is the testbed provider (no limits), and the testbed tool services run in a process of their own
+(``TestbedProcess``): on a thread of this process the dependency shared the GIL with the callers, so the
+policy spending the most CPU per call (Tether: 100 trajectories through the decider in one process) saw the
+slowest dependency, and its breaker probes timed out on that after the heal. Each policy run is a fresh
+process of its own too, so no policy inherits another's leftovers. Policies and trajectory code are in
+:mod:`benchmarks._storm_policies`.
 
-Everything runs on a virtual-time asyncio loop (timers advance instantly, nothing sleeps for real), so a
-two-minute scenario takes seconds and both policies see the identical, seeded load. The Tether side uses
-the real ``RetryOwner`` (full jitter, one budget per logical operation, admission before every attempt)
-and the real ``InProcessGuard`` (breaker + bulkhead) on that loop's clock.
+Judged at the dependency by the testbed's own counters (its door: every attempt that reached it, how many
+were in service at once) and, on the callers' side, by operations: one per tool call the model made.
+Operations the breaker or bulkhead refused sent nothing and are counted as refused, separately, never as
+"0 attempts". Recovery: seconds after the heal until successful operations per second are back to 90 % of
+the pre-outage rate for three consecutive seconds. Repeated ``--runs`` times (min/median/max).
 
-Measured per policy: attempts per logical operation (for operations started during the outage, the
-chapter's 27-vs-3 quantity, and overall), peak concurrent calls at the dependency (in service + queued),
-and recovery time: seconds after the heal until successful operations per second are back to 90 % of the
-pre-outage rate for three consecutive seconds.
-
-    .venv/bin/python -m benchmarks.retry_storm [--quick] [--out PATH]
+    .venv/bin/python -m benchmarks.retry_storm [--quick] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
+import multiprocessing
 import random
-import selectors
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS_DIR, environment, write_json
-from breakers import (
-    Attempt,
-    AttemptResult,
-    BreakerPolicy,
-    BulkheadPolicy,
-    GuardPolicy,
-    InProcessGuard,
-    RetryAction,
-    RetryOwner,
-    RetryPolicy,
-)
-from runtime.errors import PolicyRefusal
-from runtime.ports import GuardPermit, OutcomeClass, Settlement
-from runtime.tools import RepeatContract
+import openai
+
+from actors.tools_grpc import GrpcToolPort
+from benchmarks._common import MIN_RUNS, calibration, provenance, result_path, spread, write_json
+from benchmarks._storm_policies import TOOL, Counters, TestbedProcess, run_baseline, run_tether
+from breakers import InProcessGuard
+from runtime.clock import SystemClock
+from testbed.provider import ProviderConfig, start_provider_subprocess
+from testbed.tools.faults import FaultMode, FaultPlan
 
 NAME = "retry_storm"
-SCOPE = "test-service"
-
-# ----------------------------------------------------------------------------- virtual time
+POLICIES = ("tether", "single_retry", "naive_layered")
 
 
-class _VirtualSelector(selectors.DefaultSelector):
-    """A selector that, instead of blocking for ``timeout``, moves the loop's virtual time forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 0.0
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if timeout is not None and timeout > 0:
-            self.now += timeout
-        return super().select(0)
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock is virtual: the next timer is always 'due now'."""
-
-    def __init__(self) -> None:
-        self._virtual = _VirtualSelector()
-        super().__init__(selector=self._virtual)
-
-    def time(self) -> float:
-        return self._virtual.now
-
-
-class LoopClock:
-    """``runtime.clock.Clock`` on the running loop's (virtual) time."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, wall_offset: float = 1_700_000_000.0) -> None:
-        self._loop = loop
-        self._offset = wall_offset
-
-    def now(self) -> float:
-        return self._loop.time()
-
-    def wall(self) -> float:
-        return self._loop.time() + self._offset
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(max(0.0, seconds))
-
-
-# ----------------------------------------------------------------------------- the dependency
-
-
-@dataclass
+@dataclass(frozen=True)
 class Scenario:
-    trajectories: int = 200
+    trajectories: int = 100
     duration_s: float = 120.0
     outage_start_s: float = 20.0
     outage_end_s: float = 50.0
-    workers: int = 8
-    healthy_service_s: float = 0.05
-    degraded_service_s: float = 4.0
     call_timeout_s: float = 1.0
-    think_s: float = 1.0
-    operation_deadline_s: float = 60.0
+    turns: int = 10  # tool calls per trajectory
+    healthy_s: float = 0.05  # service time, healthy
+    degraded_s: float = 2.0  # service time during the outage
+    per_call_s: float = 0.004  # added per call already in service (healthy and degraded)
+    model_ttft_ms: float = 100.0
+    runs: int = 3
     seed: int = 11
+    quick: bool = False
+
+    def plan(self, degraded: bool) -> FaultPlan:
+        base = self.degraded_s if degraded else self.healthy_s
+        return FaultPlan(mode=FaultMode.CONTENDED, delay_s=base, per_call_s=self.per_call_s)
 
 
-@dataclass
-class Timeline:
-    arrivals: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    in_system: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    ok_operations: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+QUICK = Scenario(trajectories=30, duration_s=45.0, outage_start_s=10.0, outage_end_s=25.0, quick=True)
 
 
-class SimulatedDependency:
-    """``workers`` servers behind one FIFO queue; callers wait at most their timeout, the work does not."""
-
-    def __init__(self, scenario: Scenario, clock: LoopClock, timeline: Timeline) -> None:
-        self._s = scenario
-        self._clock = clock
-        self._timeline = timeline
-        self._queue: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
-        self.in_system = 0
-        self.peak = 0
-        self.attempts = 0
-        self._workers = [asyncio.ensure_future(self._serve()) for _ in range(scenario.workers)]
-
-    def degraded(self) -> bool:
-        return self._s.outage_start_s <= self._clock.now() < self._s.outage_end_s
-
-    async def call(self) -> bool:
-        """True when the reply arrived within the caller's timeout."""
-        self.attempts += 1
-        self.in_system += 1
-        self.peak = max(self.peak, self.in_system)
-        second = int(self._clock.now())
-        self._timeline.arrivals[second] += 1
-        self._timeline.in_system[second] = max(self._timeline.in_system[second], self.in_system)
-        job: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(job)
-        try:
-            await asyncio.wait_for(asyncio.shield(job), self._s.call_timeout_s)
-            return True
-        except TimeoutError:
-            return False  # the caller gave up; the job stays queued or running (orphaned work)
-
-    async def _serve(self) -> None:
-        while True:
-            job = await self._queue.get()
-            service = self._s.degraded_service_s if self.degraded() else self._s.healthy_service_s
-            await asyncio.sleep(service)
-            self.in_system -= 1
-            if not job.done():
-                job.set_result(None)
-
-    def stop(self) -> None:
-        for worker in self._workers:
-            worker.cancel()
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------- policies
+async def run_policy(policy: str, s: Scenario, provider_url: str, run_no: int) -> dict[str, Any]:
+    testbed = TestbedProcess(s.plan(degraded=False))
+    counters = Counters(outage=(s.outage_start_s, s.outage_end_s))
+    stop = asyncio.Event()
+    client = openai.AsyncOpenAI(base_url=provider_url, api_key="unused", max_retries=0)
+    tools = GrpcToolPort({TOOL: testbed.address})
+    guard = InProcessGuard(SystemClock())  # GuardPolicy() defaults, shared by every trajectory
+    from actors.contracts import testbed_contracts
+    from runtime.tools import ToolRegistry
 
+    spec = ToolRegistry([c for c in testbed_contracts() if c.name == TOOL]).openai_tool_specs([TOOL])[0]
 
-@dataclass
-class Tally:
-    operations: int = 0
-    attempts: int = 0
-    outage_operations: int = 0
-    outage_attempts: int = 0
-    ok: int = 0
-    max_attempts: int = 0
-
-    def add(self, started_at: float, attempts: int, ok: bool, scenario: Scenario) -> None:
-        self.operations += 1
-        self.max_attempts = max(self.max_attempts, attempts)
-        self.attempts += attempts
-        self.ok += ok
-        if scenario.outage_start_s <= started_at < scenario.outage_end_s:
-            self.outage_operations += 1
-            self.outage_attempts += attempts
-
-
-Operation = Callable[[int, int], Awaitable[tuple[int, bool, float]]]  # -> (attempts, ok, wait before next)
-
-
-def naive_layered(
-    dep: SimulatedDependency, layers: int = 3, tries: int = 3, backoff_s: float = 0.1
-) -> Operation:
-    """Each layer retries the layer below on its own allowance, fixed backoff, no breaker, no bulkhead."""
-
-    async def operation(_traj: int, _op: int) -> tuple[int, bool, float]:
-        sent = 0
-
-        async def layer(depth: int) -> bool:
-            nonlocal sent
-            for attempt in range(tries):
-                if depth == layers - 1:
-                    sent += 1
-                    ok = await dep.call()
-                else:
-                    ok = await layer(depth + 1)
-                if ok:
-                    return True
-                if attempt < tries - 1:
-                    await asyncio.sleep(backoff_s)
-            return False
-
-        ok = await layer(0)
-        return sent, ok, 0.0
-
-    return operation
-
-
-def tether(
-    dep: SimulatedDependency,
-    clock: LoopClock,
-    scenario: Scenario,
-    rng: random.Random,
-    max_cooldown_s: float = 16.0,
-) -> Operation:
-    """Single retry owner (3 attempts total, full jitter) + breaker + bulkhead for the dependency scope."""
-    guard = InProcessGuard(
-        clock,
-        GuardPolicy(
-            breaker=BreakerPolicy(
-                window_size=50,
-                min_samples=20,
-                trip_threshold=0.5,
-                cooldown_s=2.0,
-                max_cooldown_s=max_cooldown_s,
-            ),
-            bulkhead=BulkheadPolicy(
-                max_concurrent=scenario.workers, max_queued=scenario.workers, lease_s=60.0
-            ),
-        ),
-    )
-    policy = RetryPolicy(max_attempts=3, base_backoff_s=0.2, max_backoff_s=5.0)
-    ids = itertools.count()
-
-    async def operation(traj: int, op: int) -> tuple[int, bool, float]:
-        owner = RetryOwner(f"traj-{traj}", policy, clock, rng, lambda: f"a{next(ids)}")
-        deadline = clock.wall() + scenario.operation_deadline_s
-        permits: dict[str, GuardPermit] = {}
-
-        async def admit(attempt: Attempt) -> None:
-            permits[attempt.attempt_id] = await guard.admit(SCOPE, attempt.attempt_id, deadline)
-
-        async def call(attempt: Attempt) -> AttemptResult:
-            permit = permits.pop(attempt.attempt_id)
-            ok = await dep.call()
-            outcome = OutcomeClass.SUCCESS if ok else OutcomeClass.INFRASTRUCTURE_FAILURE
-            await guard.record(permit, outcome)
-            await guard.release(permit)
-            if ok:
-                return AttemptResult(Settlement.ESTABLISHED, OutcomeClass.SUCCESS)
-            return AttemptResult(Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, error="timeout")
-
-        report = await owner.run(f"traj-{traj}/op-{op}", RepeatContract.DEDUPLICATED, deadline, call, admit)
-        wait = 0.0
-        if isinstance(report.refusal, PolicyRefusal) and report.refusal.retry_after:
-            wait = report.refusal.retry_after  # the structured answer names the cooldown: honour it
-        return len(report.attempts), report.action is RetryAction.DONE, wait
-
-    return operation
-
-
-# ----------------------------------------------------------------------------- one run
-
-
-async def _run(policy_name: str, scenario: Scenario) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    clock = LoopClock(loop)
-    timeline = Timeline()
-    dep = SimulatedDependency(scenario, clock, timeline)
-    rng = random.Random(scenario.seed)
-    if policy_name == "naive_layered":
-        operation = naive_layered(dep)
-    else:  # "tether_cap4": the same with a 4 s breaker cooldown cap (the cap trades probes for recovery)
-        operation = tether(dep, clock, scenario, rng, 4.0 if policy_name == "tether_cap4" else 16.0)
-    tally = Tally()
-
-    async def trajectory(traj: int) -> None:
-        await asyncio.sleep(rng.uniform(0.0, scenario.think_s))  # desynchronised start
-        for op in itertools.count():
-            if clock.now() >= scenario.duration_s:
+    async def slot(index: int) -> None:
+        rng = random.Random(s.seed * 7919 + run_no * 131 + index)
+        await asyncio.sleep(rng.uniform(0.0, 1.0))  # desynchronised start
+        for k in itertools.count():
+            if stop.is_set():
                 return
-            started = clock.now()
-            attempts, ok, wait = await operation(traj, op)
-            tally.add(started, attempts, ok, scenario)
-            if ok:
-                timeline.ok_operations[int(clock.now())] += 1
-            # A refused trajectory honours the named cooldown, jittered so refusals do not return as a wave.
-            await asyncio.sleep(wait + rng.uniform(0.0, scenario.think_s) if wait else scenario.think_s)
+            tid = f"{policy}-{index}-{k}"
+            try:
+                if policy == "tether":
+                    await run_tether(
+                        tid,
+                        provider_url=provider_url,
+                        testbed_address=testbed.address,
+                        guard=guard,
+                        counters=counters,
+                        turns=s.turns,
+                        call_timeout_s=s.call_timeout_s,
+                    )
+                else:
+                    await run_baseline(
+                        tid,
+                        policy=policy,
+                        client=client,
+                        tools=tools,
+                        tool_spec=spec,
+                        counters=counters,
+                        turns=s.turns,
+                        call_timeout_s=s.call_timeout_s,
+                        rng=rng,
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                progress(f"{tid} raised {type(e).__name__}: {e}")
+                await asyncio.sleep(0.5)
 
-    await asyncio.gather(*(trajectory(t) for t in range(scenario.trajectories)))
-    dep.stop()
-    return _summarise(scenario, tally, dep, timeline)
+    timeline: list[dict[str, Any]] = []
+    searches_before = testbed.searches()
+    tasks = [asyncio.create_task(slot(i)) for i in range(s.trajectories)]
+    previous = testbed.door()
+    degraded = False
+    for second in range(int(s.duration_s)):
+        target = counters.started_at + second + 1
+        await asyncio.sleep(max(0.0, target - time.monotonic()))
+        now = counters.now()
+        if not degraded and s.outage_start_s <= now < s.outage_end_s:
+            testbed.set_plan(s.plan(degraded=True))
+            degraded = True
+        elif degraded and now >= s.outage_end_s:
+            testbed.set_plan(s.plan(degraded=False))
+            degraded = False
+        door = testbed.door()
+        timeline.append(
+            {
+                "t": second,
+                "arrivals": door.arrivals - previous.arrivals,
+                "in_service": door.in_service,
+                "ok_operations": counters.ok.get(second, 0),
+            }
+        )
+        previous = door
+    stop.set()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    counters.finish()
+    final = testbed.door()
+    applied = testbed.searches() - searches_before
+    with contextlib.suppress(Exception):
+        await tools.close()
+    await client.close()
+    testbed.stop()
+    return summarize(s, counters, timeline, final.peak_in_service, final.arrivals, applied)
 
 
-def _recovery_s(scenario: Scenario, timeline: Timeline) -> tuple[float | None, float]:
-    """Seconds after the heal until ok-operations/s are back to 90 % of the pre-outage rate for 3 s."""
-    warm = range(int(scenario.think_s) + 2, int(scenario.outage_start_s))
-    baseline = sum(timeline.ok_operations[s] for s in warm) / max(1, len(warm))
-    target = 0.9 * baseline
-    end = int(scenario.duration_s)
-    for second in range(int(scenario.outage_end_s), end - 2):
-        if all(timeline.ok_operations[second + k] >= target for k in range(3)):
-            return float(second - scenario.outage_end_s), baseline
+def run_policy_isolated(policy: str, s: Scenario, provider_url: str, run_no: int) -> dict[str, Any]:
+    """``run_policy`` in a fresh process: nothing one policy leaves behind in a process (tasks, channels,
+    connection pools) may slow the next one (a policy run after another once took 9 s to send its first
+    call)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_policy_sync, policy, s, provider_url, run_no).result()
+
+
+def _run_policy_sync(policy: str, s: Scenario, provider_url: str, run_no: int) -> dict[str, Any]:
+    return asyncio.run(run_policy(policy, s, provider_url, run_no))
+
+
+def recovery_s(s: Scenario, timeline: list[dict[str, Any]]) -> tuple[float | None, float]:
+    """Seconds after the heal until ok operations/s are >= 90 % of the pre-outage rate for 3 s."""
+    ok = [row["ok_operations"] for row in timeline]
+    warm = range(3, int(s.outage_start_s))
+    baseline = sum(ok[t] for t in warm) / max(1, len(warm))
+    end = int(s.outage_end_s)
+    for second in range(end, len(ok) - 2):
+        if all(ok[second + k] >= 0.9 * baseline for k in range(3)):
+            return float(second - end), baseline
     return None, baseline
 
 
-def _summarise(
-    scenario: Scenario, tally: Tally, dep: SimulatedDependency, timeline: Timeline
+def summarize(
+    s: Scenario, c: Counters, timeline: list[dict[str, Any]], peak: int, arrivals: int, applied: int
 ) -> dict[str, Any]:
-    recovery, baseline = _recovery_s(scenario, timeline)
-    seconds = range(int(scenario.duration_s) + 1)
+    recovered, baseline = recovery_s(s, timeline)
+    outage = [row for row in timeline if s.outage_start_s <= row["t"] < s.outage_end_s]
     return {
-        "attempts_per_operation": round(tally.outage_attempts / max(1, tally.outage_operations), 3),
-        "attempts_per_operation_overall": round(tally.attempts / max(1, tally.operations), 3),
-        "max_attempts_per_operation": tally.max_attempts,
-        "peak_concurrency": dep.peak,
-        # None would mean "not recovered within the run": report the censored bound instead, flagged.
-        "recovery_s": recovery
-        if recovery is not None
-        else float(scenario.duration_s - scenario.outage_end_s),
-        "recovered_within_run": recovery is not None,
-        "operations": tally.operations,
-        "operations_ok": tally.ok,
-        "attempts_at_dependency": dep.attempts,
-        "baseline_ok_operations_per_s": round(baseline, 2),
-        "timeline": {
-            "arrivals_per_s": [timeline.arrivals[s] for s in seconds],
-            "peak_in_system_per_s": [timeline.in_system[s] for s in seconds],
-            "ok_operations_per_s": [timeline.ok_operations[s] for s in seconds],
-        },
+        "attempts_at_dependency_outage": sum(row["arrivals"] for row in outage),
+        "attempts_at_dependency_total": arrivals,
+        "peak_in_service": peak,
+        "peak_in_service_outage": max((row["in_service"] for row in outage), default=0),
+        "applied_searches": applied,
+        "operations": c.operations,
+        "operations_ok": c.succeeded,
+        "operations_refused": c.refused,
+        "outage_operations": c.outage_operations,
+        "outage_operations_dispatched": c.outage_dispatched,
+        "attempts_per_dispatched_operation_outage": c.outage_attempts_of_ops / max(1, c.outage_dispatched),
+        "attempts_per_dispatched_operation": c.attempts / max(1, c.dispatched_operations),
+        "baseline_ok_operations_per_s": baseline,
+        "recovery_s": recovered if recovered is not None else s.duration_s - s.outage_end_s,
+        "recovered_within_run": recovered is not None,
+        "timeline": timeline,
     }
 
 
-def run_policy(policy_name: str, scenario: Scenario) -> dict[str, Any]:
-    loop = VirtualTimeLoop()
-    try:
-        return loop.run_until_complete(_run(policy_name, scenario))
-    finally:
-        loop.close()
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = (
+        "attempts_at_dependency_outage",
+        "attempts_at_dependency_total",
+        "peak_in_service",
+        "peak_in_service_outage",
+        "operations",
+        "operations_ok",
+        "operations_refused",
+        "outage_operations",
+        "outage_operations_dispatched",
+        "attempts_per_dispatched_operation_outage",
+        "attempts_per_dispatched_operation",
+        "baseline_ok_operations_per_s",
+        "recovery_s",
+        "applied_searches",
+    )
+    out: dict[str, Any] = {k: spread([float(r[k]) for r in runs], 3) for k in keys}
+    out["recovered_within_run"] = [r["recovered_within_run"] for r in runs]
+    return out
 
 
-def _plot(results: dict[str, dict[str, Any]], scenario: Scenario, path: Path) -> None:
+def plot(path: Path, s: Scenario, last: dict[str, dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -362,60 +245,92 @@ def _plot(results: dict[str, dict[str, Any]], scenario: Scenario, path: Path) ->
 
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     panels = [
-        ("arrivals_per_s", "attempts arriving / s"),
-        ("peak_in_system_per_s", "calls at dependency (peak)"),
-        ("ok_operations_per_s", "successful operations / s"),
+        ("arrivals", "attempts arriving at the service / s"),
+        ("in_service", "calls in service (incl. orphaned work)"),
+        ("ok_operations", "successful operations / s"),
     ]
     for ax, (key, label) in zip(axes, panels, strict=True):
-        for name, result in results.items():
-            series = result["timeline"][key]
-            ax.plot(range(len(series)), series, label=name)
-        ax.axvspan(scenario.outage_start_s, scenario.outage_end_s, color="red", alpha=0.1)
-        ax.set_ylabel(label)
+        for name, result in last.items():
+            ax.plot(
+                [row["t"] for row in result["timeline"]], [row[key] for row in result["timeline"]], label=name
+            )
+        ax.axvspan(s.outage_start_s, s.outage_end_s, color="red", alpha=0.1)
+        ax.set_ylabel(label, fontsize=8)
         ax.grid(True, alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     axes[0].set_title(
-        f"retry storm: {scenario.trajectories} trajectories, outage shaded (simulated dependency)"
+        f"retry storm: {s.trajectories} trajectories, testbed gRPC service, outage shaded (last run)"
     )
-    axes[-1].set_xlabel("time (s, virtual)")
+    axes[-1].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller scenario (well under a minute)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / f"{NAME}.json")
-    args = parser.parse_args()
-    scenario = Scenario()
-    if args.quick:
-        scenario = Scenario(duration_s=60.0, outage_start_s=10.0, outage_end_s=25.0)
-
-    results = {name: run_policy(name, scenario) for name in ("tether", "naive_layered", "tether_cap4")}
-    out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = {
-        "policies": results,
-        "scenario": scenario.__dict__,
-        "dependency": "simulated in-process: FIFO queue + worker pool, orphaned work continues; virtual time",
+async def run(s: Scenario, policies: tuple[str, ...]) -> dict[str, Any]:
+    before = calibration()
+    provider = start_provider_subprocess(
+        ProviderConfig(ttft_ms=s.model_ttft_ms, tokens_per_s=2_000.0, models=("sim",))
+    )
+    per_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    try:
+        for run_no in range(s.runs):
+            for policy in policies:
+                progress(f"run {run_no + 1}/{s.runs}: {policy}")
+                result = await asyncio.to_thread(run_policy_isolated, policy, s, provider.base_url, run_no)
+                per_policy[policy].append(result)
+                progress(
+                    f"  attempts at dependency in outage {result['attempts_at_dependency_outage']}, peak in "
+                    f"service {result['peak_in_service']}, refused ops {result['operations_refused']}, "
+                    f"recovery {result['recovery_s']} s"
+                )
+    finally:
+        provider.stop()
+    return {
+        "runs": s.runs,
+        "policies": {p: aggregate(rs) for p, rs in per_policy.items()},
+        "_last": {p: rs[-1] for p, rs in per_policy.items()},
+        "dependency": "testbed gRPC service package-search, FaultMode.CONTENDED (load-dependent service "
+        "time, orphaned work continues); effect-key deduplication off",
         "definitions": {
-            "attempts_per_operation": "dispatched attempts / logical operations started during the outage",
-            "peak_concurrency": "max calls in service + queued at the dependency",
-            "recovery_s": "heal -> ok operations/s >= 90% of pre-outage rate for 3 consecutive seconds",
+            "attempts_at_dependency_outage": "attempts that reached the service (its door counter) during "
+            "the outage",
+            "attempts_per_dispatched_operation_outage": "attempts / operations started in the outage that "
+            "sent at least one attempt (refused operations are counted in outage_operations - "
+            "outage_operations_dispatched, not as 0 attempts)",
+            "peak_in_service": "most calls in service at once at the dependency, orphaned work included",
+            "recovery_s": "heal -> ok operations/s >= 90% of the pre-outage rate for 3 consecutive seconds "
+            "(censored at the end of the run when not recovered)",
         },
-        "environment": environment(),
+        **provenance({**asdict(s), "policies": list(policies)}, before),
     }
-    write_json(out.stem, data, out.parent)
-    _plot(results, scenario, out.with_suffix(".png"))
-    for name, r in results.items():
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="30 trajectories, 45 s per run")
+    parser.add_argument("--runs", type=int, help=f"repetitions (at least {MIN_RUNS})")
+    parser.add_argument("--trajectories", type=int)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    args = parser.parse_args(argv)
+    s = QUICK if args.quick else Scenario()
+    if args.runs is not None:
+        s = replace(s, runs=max(MIN_RUNS, args.runs))
+    if args.trajectories:
+        s = replace(s, trajectories=args.trajectories)
+    report = asyncio.run(run(s, tuple(p for p in args.policies.split(",") if p)))
+    last = report.pop("_last")
+    out = result_path(NAME, s.quick)
+    write_json(out.stem, report, out.parent)
+    plot(out.with_suffix(".png"), s, last)
+    print(out)
+    for name, r in report["policies"].items():
         print(
-            f"{name}: attempts/op {r['attempts_per_operation']} "
-            f"(overall {r['attempts_per_operation_overall']}, max {r['max_attempts_per_operation']}), "
-            f"peak {r['peak_concurrency']}, recovery {r['recovery_s']} s "
-            f"(recovered={r['recovered_within_run']})"
+            f"{name:14s} attempts@dep outage {r['attempts_at_dependency_outage']['median']:.0f}, peak "
+            f"{r['peak_in_service']['median']:.0f}, refused ops {r['operations_refused']['median']:.0f}, "
+            f"attempts/dispatched op (outage) {r['attempts_per_dispatched_operation_outage']['median']:.2f}, "
+            f"recovery {r['recovery_s']['median']:.0f} s"
         )
-    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

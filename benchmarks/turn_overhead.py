@@ -34,7 +34,17 @@ from pydantic import BaseModel, ConfigDict
 from actors.interpreter import Interpreter, InterpreterPorts
 from actors.status import StatusPublisher
 from actors.tools_local import LOCAL_SCOPE, LocalTool, LocalToolPort
-from benchmarks._common import environment, percentile, summarize_ms, write_json, write_plot
+from benchmarks._common import (
+    MIN_RUNS,
+    calibration,
+    percentile,
+    provenance,
+    result_path,
+    spread,
+    summarize_ms,
+    write_json,
+    write_plot,
+)
 from cluster.adapters import LiveEvents
 from cluster.control import ControlStream
 from cluster.log_store import RedisLogStore
@@ -320,9 +330,16 @@ class BenchTrajectory:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.turn_overhead", description=__doc__)
     parser.add_argument("--turns", type=int, default=150, help="turns per trajectory")
-    parser.add_argument("--trajectories", type=int, default=3, help="trajectories, run one after another")
+    parser.add_argument(
+        "--trajectories", type=int, default=MIN_RUNS, help="trajectories (the repetitions), one after another"
+    )
     parser.add_argument("--skip", type=int, default=10, help="warm-up turns dropped from each trajectory")
+    parser.add_argument("--quick", action="store_true", help="40 turns per trajectory")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.turns = 40
+    args.trajectories = max(MIN_RUNS, args.trajectories)
+    before = calibration()
 
     from scheduler.actor import SchedulerHandle
     from scheduler.config import ProviderLimits, SchedulerConfig
@@ -344,11 +361,20 @@ def main(argv: list[str] | None = None) -> int:
             ray.get(bench.floor.remote(echo, 50))  # warm both paths
             harness_samples: list[dict[str, float]] = []
             floor_samples: list[float] = []
+            run_ratios: list[float] = []
+            run_harness_p50: list[float] = []
+            run_floor_p50: list[float] = []
             for i in range(args.trajectories):
                 # interleave: the floor is measured between trajectories, under the same machine load
-                floor_samples += ray.get(bench.floor.remote(echo, args.turns))
-                turns = ray.get(bench.run_turns.remote(f"bench-{i}", args.turns))
-                harness_samples += turns[args.skip :]
+                floor_run = ray.get(bench.floor.remote(echo, args.turns))
+                turns = ray.get(bench.run_turns.remote(f"bench-{i}", args.turns))[args.skip :]
+                floor_samples += floor_run
+                harness_samples += turns
+                h50 = percentile([t["turn"] for t in turns], 50) * 1000
+                f50 = percentile(floor_run, 50) * 1000
+                run_harness_p50.append(h50)
+                run_floor_p50.append(f50)
+                run_ratios.append(h50 / f50)
             del scheduler
         finally:
             ray.shutdown()
@@ -362,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "harness_ms": {"p50": harness["p50_ms"], "p99": harness["p99_ms"]},
         "floor_ms": {"p50": floor["p50_ms"], "p99": floor["p99_ms"]},
+        "runs": {
+            "harness_p50_ms": spread(run_harness_p50, 3),
+            "floor_p50_ms": spread(run_floor_p50, 3),
+            "ratio_p50": spread(run_ratios, 2),
+        },
         "detail": {
             "ratio_p50": round(harness["p50_ms"] / floor["p50_ms"], 2),
             "harness": harness,
@@ -372,16 +403,17 @@ def main(argv: list[str] | None = None) -> int:
             "floor_samples": len(floor_samples),
             "appendfsync": "always",
             "turns_per_trajectory": args.turns,
-            "environment": environment(),
         },
+        **provenance({"turns": args.turns, "trajectories": args.trajectories, "skip": args.skip}, before),
     }
-    path = write_json(NAME, result)
+    out = result_path(NAME, args.quick)
+    path = write_json(out.stem, result, out.parent)
 
     def ms(values: list[float]) -> list[float]:
         return [v * 1000.0 for v in values]
 
     write_plot(
-        NAME,
+        out.stem,
         {
             "harness turn": ms(turn_s),
             "floor (actor round trip + XADD)": ms(floor_samples),

@@ -334,7 +334,7 @@ class Services:
 
     def _start(self) -> None:
         from cluster.redis_server import free_port
-        from testbed.provider import ProviderConfig, start_provider_subprocess
+        from testbed.provider import LimiterMode, ProviderConfig, start_provider_subprocess
         from testbed.tools import TestbedProcess
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -347,6 +347,7 @@ class Services:
             config = ProviderConfig(
                 rpm=wl.provider.limits.rpm,
                 tpm=wl.provider.limits.tpm,
+                limiter=LimiterMode(wl.provider.limits.mode),
                 ttft_ms=wl.provider.latency.ttft_ms,
                 tokens_per_s=wl.provider.latency.tokens_per_s,
                 models=(wl.provider.model,),

@@ -10,7 +10,7 @@ Example (see ``examples/quickstart.yaml``)::
     provider:
       kind: simulated
       model: sim-small
-      limits: {tpm: 60000, rpm: 600}
+      limits: {tpm: 60000, rpm: 600}   # mode: sliding_window (OpenAI-like, default) | token_bucket
     classes: {interactive: 4, standard: 2, batch: 1}
     tools: [{name: run_tests, source: testbed}, {name: noop, source: builtin}]
     approval_timeout_s: 30      # silence until then is denial
@@ -82,6 +82,9 @@ class _Strict(BaseModel):
 class Limits(_Strict):
     tpm: PositiveInt = Field(description="provider tokens per minute")
     rpm: PositiveInt = Field(description="provider requests per minute")
+    # How a simulated provider meters them (testbed/provider/limits.py): sliding_window mimics OpenAI (minute
+    # window, also enforced per second, refusals count), token_bucket mimics Anthropic (continuous refill).
+    mode: Literal["sliding_window", "token_bucket"] = "sliding_window"
 
 
 class Latency(_Strict):

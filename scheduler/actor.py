@@ -4,6 +4,11 @@ A thin shell over ``InProcessScheduler``. Admissions wait inside the actor on fu
 feedback and control calls run in a separate concurrency group with its own event loop, so they never
 queue behind blocked admissions (a semaphore whose releases starve behind its acquires stalls a cluster).
 
+Throughput: every actor call costs both processes CPU (Ray's per-call path, not the scheduler's logic, is
+what bounds admissions on a node: ``benchmarks/node_capacity.py``). The handle therefore coalesces the
+settlements of one process: while one ``settle_many`` call is in flight, further settlements queue and go
+in the next call (no timer: an idle process settles at once, a busy one sends one call per batch).
+
 Errors do not cross the Ray boundary as exceptions (``AdmissionRefused`` carries structured fields a
 pickled exception would lose); the actor returns an outcome record and the handle raises on the caller's
 side. After a restart the actor is constructed afresh: buckets start empty, grants from the previous
@@ -123,6 +128,11 @@ class _SchedulerActorBody:
         return await _outcome_of(self._scheduler.settle_turn(grant_id, actual_tokens))
 
     @ray.method(concurrency_group=_CONTROL)
+    async def settle_many(self, settlements: list[tuple[str, int]]) -> _Outcome:
+        """Several ``settle_turn`` in one call (what a process's handle batched)."""
+        return await _outcome_of(self._scheduler.settle_many(settlements))
+
+    @ray.method(concurrency_group=_CONTROL)
     async def release_sandbox(self, permit_id: str) -> _Outcome:
         return await _outcome_of(self._scheduler.release_sandbox(permit_id))
 
@@ -185,11 +195,63 @@ def scheduler_actor_class(admit_slots: int = 10_000, control_slots: int = 100) -
 SchedulerActor = scheduler_actor_class()
 
 
+class _SettleBatcher:
+    """Coalesces one process's settlements: one ``settle_many`` in flight at a time, the rest queue for the
+    next. Each caller still waits until its own settlement was applied (or sees the error)."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: list[tuple[str, int, asyncio.Future[None]]] = []
+        self._flushing = False
+        self._flusher: asyncio.Task[None] | None = None
+
+    def usable(self) -> bool:
+        """Bound to the first event loop that uses it; callers on another loop settle one by one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        return self._loop is loop
+
+    async def settle(self, grant_id: str, actual_tokens: int) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._queue.append((grant_id, actual_tokens, future))
+        if not self._flushing:
+            self._flushing = True
+            self._flusher = loop.create_task(self._flush())
+        await future
+
+    async def _flush(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    outcome = await self._actor.settle_many.remote([(g, t) for g, t, _ in batch])
+                    outcome.unwrap()
+                except BaseException as e:  # every caller of this batch sees it
+                    for _, _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    continue
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_result(None)
+        finally:
+            self._flushing = False
+
+
 class SchedulerHandle:
     """``runtime.ports.AdmissionPort`` over the scheduler actor: what trajectory actors hold."""
 
     def __init__(self, actor: Any) -> None:
         self._actor = actor
+        self._settles = _SettleBatcher(actor)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SchedulerHandle, (self._actor,))  # the batcher belongs to one process's event loop
 
     @classmethod
     def connect(
@@ -234,7 +296,10 @@ class SchedulerHandle:
         return grant
 
     async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
-        await self._call("settle_turn", grant_id, actual_tokens)
+        if self._settles.usable():
+            await self._settles.settle(grant_id, actual_tokens)
+        else:
+            await self._call("settle_turn", grant_id, actual_tokens)
 
     async def report_rate_limited(
         self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]

@@ -84,7 +84,8 @@ class ProviderLimiter:
 
     Each bucket is paired with a sliding-window ledger of the same capacity, so admissions in any
     window of ``window_s`` (a minute) never exceed it either: providers count per-minute limits over a
-    sliding window, where a bucket alone would allow a full burst plus a full minute of refill.
+    sliding window, where a bucket alone would allow a full burst plus a full minute of refill. Two more
+    ledgers keep every sub-window (``ProviderLimits.sub_window``) within the provider's share of it.
 
     - The limit itself is learned (``scheduler.learning``): the buckets and ledgers are sized to the
       smallest of the configured limit, the provider's stated ``x-ratelimit-limit-*`` and the limit
@@ -110,6 +111,15 @@ class ProviderLimiter:
         self.requests = TokenBucket(limits.request_capacity, limits.request_capacity / window, now)
         self.token_window = WindowLedger(limits.token_capacity, limits.window_s)
         self.request_window = WindowLedger(limits.request_capacity, limits.window_s)
+        self.sub_token_window: WindowLedger | None = None
+        self.sub_request_window: WindowLedger | None = None
+        if limits.sub_window > 0:
+            span = limits.sub_window * (1.0 + limits.headroom)
+            if limits.sub_window_tokens:
+                self.sub_token_window = WindowLedger(
+                    limits.sub_share(limits.tokens_per_minute), span, alone_fits=True
+                )
+            self.sub_request_window = WindowLedger(limits.sub_share(limits.requests_per_minute), span)
         self.rate_factor = 1.0
         self.blocked_until = -math.inf
         self.rate_limited_count = 0
@@ -150,6 +160,13 @@ class ProviderLimiter:
             bucket.capacity = capacity
             bucket.clamp(capacity, now)
             ledger.capacity = capacity
+        # the provider's per-sub-window share follows the learned per-window limit
+        if self.sub_request_window is not None:
+            self.sub_request_window.capacity = self.limits.sub_share(
+                math.ceil(self.learned_requests.effective)
+            )
+        if self.sub_token_window is not None:
+            self.sub_token_window.capacity = self.limits.sub_share(math.ceil(self.learned_tokens.effective))
         self._apply_rate()
 
     # ------------------------------------------------------------------ admission
@@ -166,6 +183,8 @@ class ProviderLimiter:
             and self.requests.covers(1, now)
             and self.token_window.covers(cost, now)
             and self.request_window.covers(1, now)
+            and (self.sub_token_window is None or self.sub_token_window.covers(cost, now))
+            and (self.sub_request_window is None or self.sub_request_window.covers(1, now))
         )
 
     def admit(self, cost: int, now: float) -> int:
@@ -176,7 +195,12 @@ class ProviderLimiter:
         self.requests.take(1, now)
         self.request_window.add(1, now)
         self.granted_count += 1
-        return self.token_window.add(cost, now)
+        ledger_id = self.token_window.add(cost, now)
+        if self.sub_request_window is not None:
+            self.sub_request_window.add(1, now)
+        if self.sub_token_window is not None:
+            self.sub_token_window.add(cost, now, entry_id=ledger_id)  # one id: settle corrects both
+        return ledger_id
 
     def ready_at(self, cost: int, now: float) -> float:
         """Earliest monotonic time ``cost`` could be admitted (at the current rate)."""
@@ -187,6 +211,8 @@ class ProviderLimiter:
             self.requests.ready_at(1, now),
             self.token_window.ready_at(cost, now),
             self.request_window.ready_at(1, now),
+            -math.inf if self.sub_token_window is None else self.sub_token_window.ready_at(cost, now),
+            -math.inf if self.sub_request_window is None else self.sub_request_window.ready_at(1, now),
         )
 
     def settle(self, reserved: int, actual: int, now: float, ledger_id: int | None = None) -> None:
@@ -195,6 +221,8 @@ class ProviderLimiter:
         self.tokens.adjust(reserved - actual, now)
         if ledger_id is not None:
             self.token_window.correct(ledger_id, actual)
+            if self.sub_token_window is not None:
+                self.sub_token_window.correct(ledger_id, actual)
 
     # ------------------------------------------------------------------ feedback
 

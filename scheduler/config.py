@@ -6,6 +6,7 @@ validated once here so the pure algorithms can trust their inputs.
 
 from __future__ import annotations
 
+import math
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
@@ -39,6 +40,14 @@ class ProviderLimits(_Frozen):
     # The provider's accounting window: 60 s for real providers ("per minute"); the limits above are
     # per window, so a time-compressed testbed (e.g. 5 s windows) is modelled exactly.
     window_s: PositiveFloat = 60.0
+    # Providers also enforce their limits over shorter periods ("a 60 RPM limit may act as 1 request per
+    # second"); the scheduler keeps each sub-window below the provider's share of it, ceil(limit * sub /
+    # window). None: window_s / 60 (one second of a minute); 0: no sub-window. Headroom here is time: the
+    # share is counted over sub * (1 + headroom), so admissions a little early or late at the provider
+    # still fit its sub-window. Requests only, unless ``sub_window_tokens`` (for a provider that also
+    # meters tokens per sub-window: then a turn's high prompt estimate costs throughput, see the bench).
+    sub_window_s: float | None = Field(default=None, ge=0.0)
+    sub_window_tokens: bool = False
 
     @model_validator(mode="after")
     def _room_for_one_request(self) -> Self:
@@ -48,6 +57,23 @@ class ProviderLimits(_Frozen):
                 "leaves no room for a single request"
             )
         return self
+
+    @model_validator(mode="after")
+    def _sub_window_shorter(self) -> Self:
+        if self.sub_window_s is not None and self.sub_window_s >= self.window_s:
+            raise ValueError(
+                f"sub_window_s ({self.sub_window_s}) must be shorter than window_s ({self.window_s})"
+            )
+        return self
+
+    @property
+    def sub_window(self) -> float:
+        """The sub-window's length in seconds (0: none)."""
+        return self.window_s / 60.0 if self.sub_window_s is None else self.sub_window_s
+
+    def sub_share(self, per_window: int) -> int:
+        """The provider's limit per sub-window for a per-window limit (at least 1)."""
+        return max(1, math.ceil(per_window * self.sub_window / self.window_s))
 
     @property
     def token_capacity(self) -> float:

@@ -63,6 +63,13 @@ class InProcessScheduler:
             self.core.settle_turn(grant_id, actual_tokens)
         self._poke()
 
+    async def settle_many(self, settlements: list[tuple[str, int]]) -> None:
+        """``settle_turn`` for each (grant id, actual tokens), under one lock and one wake-up."""
+        with self._lock:
+            for grant_id, actual_tokens in settlements:
+                self.core.settle_turn(grant_id, actual_tokens)
+        self._poke()
+
     async def report_rate_limited(
         self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
     ) -> None:
@@ -127,13 +134,23 @@ class InProcessScheduler:
 
     async def _wait(self, submit: Callable[[], int]) -> Decision:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Decision] = loop.create_future()
         with self._lock:
             if self._closed:
                 raise AdmissionRefused(Predicate.SHUTDOWN, "scheduler is shutting down")
             ticket = submit()  # may raise SchedulerInputError: nothing was queued
-            self._waiters[ticket] = (loop, future)
-            self._resolve(self.core.tick())
+            decisions = self.core.tick()
+            # Fast path (throughput): decided at once, so answer without a future or a wake-up of the driver
+            mine = next((d for d in decisions if d.ticket == ticket), None)
+            if mine is None:
+                future: asyncio.Future[Decision] = loop.create_future()
+                self._waiters[ticket] = (loop, future)
+                self._resolve(decisions)
+            else:
+                self._resolve([d for d in decisions if d is not mine])
+        if mine is not None:
+            if isinstance(mine, Refused):
+                raise mine.error()
+            return mine
         self._ensure_driver(loop)
         self._poke()
         try:
@@ -149,13 +166,20 @@ class InProcessScheduler:
 
     def _resolve(self, decisions: list[Decision]) -> None:
         """Hand each decision to its waiter on the waiter's own loop. Called with the lock held."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
         for decision in decisions:
             waiter = self._waiters.pop(decision.ticket, None)
             if waiter is None:
                 self._undo(decision)  # nobody waits any more: give back what was granted
                 continue
             loop, future = waiter
-            loop.call_soon_threadsafe(self._deliver, future, decision)
+            if loop is running:
+                loop.call_soon(self._deliver, future, decision)  # same loop: no self-pipe wake-up
+            else:
+                loop.call_soon_threadsafe(self._deliver, future, decision)
 
     def _deliver(self, future: asyncio.Future[Any], decision: Decision) -> None:
         if not future.done():

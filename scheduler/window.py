@@ -5,6 +5,10 @@ The token bucket spreads admissions evenly, but on its own it allows ``capacity`
 provider enforces over a sliding window. This ledger closes that gap. Like the provider's, an entry
 keeps its admission time and is corrected to the actual usage at settlement.
 
+A ledger may also mirror a provider's sub-minute enforcement (``alone_fits``): then an amount larger
+than the remaining capacity still fits when nothing else is in the window, as the testbed provider's
+token sub-window rules (``testbed/provider/sliding_window.py``).
+
 Pure: every method takes ``now`` (monotonic seconds).
 """
 
@@ -31,11 +35,12 @@ class _Entry:
 class WindowLedger:
     """Admissions in ``(now - window_s, now]`` summed; a new one fits when the sum stays within capacity."""
 
-    def __init__(self, capacity: float, window_s: float = 60.0) -> None:
+    def __init__(self, capacity: float, window_s: float = 60.0, alone_fits: bool = False) -> None:
         if capacity <= 0 or window_s <= 0:
             raise ValueError(f"ledger needs capacity > 0 and window_s > 0, got {capacity=} {window_s=}")
         self.capacity = float(capacity)
         self.window_s = float(window_s)
+        self.alone_fits = alone_fits
         self._entries: deque[_Entry] = deque()
         self._by_id: dict[int, _Entry] = {}
         self._ids = itertools.count(1)
@@ -55,12 +60,13 @@ class WindowLedger:
         return self.total
 
     def covers(self, amount: float, now: float) -> bool:
-        return self.used(now) + amount <= self.capacity + _EPS
+        used = self.used(now)
+        return used + amount <= self.capacity + _EPS or (self.alone_fits and used <= _EPS)
 
-    def add(self, amount: float, now: float) -> int:
-        """Record an admission; returns its id for ``correct``."""
+    def add(self, amount: float, now: float, entry_id: int | None = None) -> int:
+        """Record an admission; returns its id for ``correct`` (``entry_id``: reuse another ledger's id)."""
         self._expire(now)
-        entry = _Entry(now, float(amount), next(self._ids))
+        entry = _Entry(now, float(amount), next(self._ids) if entry_id is None else entry_id)
         self._entries.append(entry)
         self._by_id[entry.entry_id] = entry
         self.total += entry.amount
@@ -76,14 +82,18 @@ class WindowLedger:
     def ready_at(self, amount: float, now: float) -> float:
         """When enough old admissions will have left the window for ``amount`` to fit (inf: never)."""
         self._expire(now)
-        excess = self.total + amount - self.capacity
-        if excess <= _EPS:
+        if self.covers(amount, now):
             return now
-        if amount > self.capacity + _EPS:
-            return math.inf
-        freed = 0.0
-        for entry in self._entries:
-            freed += entry.amount
-            if freed + _EPS >= excess:
-                return max(entry.at + self.window_s, now + _MIN_WAIT_S)
-        return math.inf  # pragma: no cover - unreachable while amount <= capacity
+        excess = self.total + amount - self.capacity
+        fit = math.inf
+        if amount <= self.capacity + _EPS:
+            freed = 0.0
+            for entry in self._entries:
+                freed += entry.amount
+                if freed + _EPS >= excess:
+                    fit = entry.at + self.window_s
+                    break
+        if self.alone_fits:
+            last = next((e for e in reversed(self._entries) if e.amount > _EPS), None)
+            fit = min(fit, now if last is None else last.at + self.window_s)
+        return max(fit, now + _MIN_WAIT_S)

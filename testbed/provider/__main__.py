@@ -1,6 +1,7 @@
 """Command line of the simulated provider.
 
-``python -m testbed.provider --host 127.0.0.1 --port PORT --tpm N --rpm N [--ttft-ms X] [--tokens-per-s Y]``
+``python -m testbed.provider --host 127.0.0.1 --port PORT --tpm N --rpm N [--ttft-ms X] [--tokens-per-s Y]
+[--limiter sliding_window|token_bucket] [--sub-window-s S] [--sub-window-tokens] [--no-count-rejected]``
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pydantic import ValidationError
 
 from testbed.provider.config import ProviderConfig
+from testbed.provider.limits import LimiterMode
 from testbed.provider.server import ProviderServer
 
 
@@ -28,6 +30,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token in milliseconds")
     p.add_argument("--tokens-per-s", type=float, default=0.0, help="output tokens per second, 0 = instant")
     p.add_argument("--window-s", type=float, default=60.0, help="rate-limit window length in seconds")
+    p.add_argument(
+        "--limiter",
+        choices=[m.value for m in LimiterMode],
+        default=LimiterMode.SLIDING_WINDOW.value,
+        help="sliding_window (OpenAI-like) or token_bucket (Anthropic-like)",
+    )
+    p.add_argument(
+        "--sub-window-s",
+        type=float,
+        default=None,
+        help="sliding_window: shorter enforcement period (default window/60, 0 = off)",
+    )
+    p.add_argument(
+        "--sub-window-tokens",
+        action="store_true",
+        help="sliding_window: enforce the token limit per sub-window too",
+    )
+    p.add_argument(
+        "--no-count-rejected",
+        dest="count_rejected",
+        action="store_false",
+        help="a 429 costs nothing (by default it costs one request and its prompt tokens)",
+    )
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument(
         "--model", action="append", dest="models", help="model id listed by /v1/models (repeatable)"
@@ -59,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             ttft_ms=args.ttft_ms,
             tokens_per_s=args.tokens_per_s,
             window_s=args.window_s,
+            limiter=LimiterMode(args.limiter),
+            sub_window_s=args.sub_window_s,
+            sub_window_tokens=args.sub_window_tokens,
+            count_rejected=args.count_rejected,
             default_max_tokens=args.default_max_tokens,
             models=tuple(args.models) if args.models else ("tether-sim",),
             api_key=args.api_key,

@@ -1,30 +1,58 @@
-"""Requests-per-minute and tokens-per-minute limits over a sliding window (pure; clock injected).
+"""Rate-limit rules of the simulated provider: the shared vocabulary and the factory (pure; clock injected).
 
-The window is exact, not bucketed: a request is admitted when, counting every admission whose
-timestamp lies in ``(now - window_s, now]``, one more request fits under ``rpm`` and its token charge
-fits under ``tpm``.
+Two limiter modes, one per documented real-provider behaviour:
 
-Token charge (the choice, stated once): at admission a request is charged
-``prompt_tokens + max_tokens`` (the worst case it can produce). When it completes, or is aborted by
-its client, the charge is corrected to ``prompt_tokens + completion_tokens`` actually produced; the
-entry keeps its admission timestamp. Cached prompt tokens count toward TPM like any other (providers
-meter them against the limit too). A correction never raises a charge, because output is cut at
-``max_tokens``; so ``Retry-After`` computed at rejection is an upper bound assuming no new admissions.
+- ``sliding_window`` (default, mimics OpenAI): per-minute RPM and TPM over an exact sliding window, and
+  the request limit scaled down to a *sub-window* (by default 1/60 of the window: a 60 RPM key acts as
+  1 request per second). OpenAI's 429 guidance says limits "can be applied over shorter periods" and gives
+  exactly that example. The token limit can be enforced per sub-window too (``sub_window_tokens``, off by
+  default). See :mod:`.sliding_window`.
+- ``token_bucket`` (mimics Anthropic): a bucket per dimension holding one minute's limit, refilled
+  continuously at ``limit / window`` per second, full at start. See :mod:`.token_bucket`.
 
-A request whose charge alone exceeds ``tpm`` can never be admitted; it is reported as ``too_large``
-so the server can answer 400 instead of a 429 that would be retried forever.
+Rules common to both modes:
+
+- **Charge.** Admission charges ``prompt_tokens + max_tokens`` (the most the request can use); when it ends
+  (or its client goes away) the charge is corrected to ``prompt + completion`` actually produced. A
+  correction never raises a charge (output stops at ``max_tokens``).
+- **Rejected requests count.** With ``count_rejected`` (default on) a 429 still costs one request and the
+  request's prompt tokens (it was received and read; nothing was generated), as OpenAI documents
+  ("unsuccessful requests contribute to your per-minute limit, so continuously resending a request won't
+  work"). A client that hammers a saturated key keeps it saturated.
+- **Too large.** A request whose charge alone exceeds the TPM limit is reported ``too_large`` (the server
+  answers 400; a 429 would invite retries forever). It costs nothing.
+- **Truthful headers.** ``limit_*`` is the per-window limit; ``remaining_*`` what is left of it now (the
+  sliding window's count, or the bucket's level), as real providers report it, so a client or scheduler
+  learning limits from headers reads what it would read from them; ``reset_*`` is the time until that
+  dimension is back at its initial state (nothing in the window / bucket full), OpenAI's meaning of
+  ``x-ratelimit-reset-*``. The sliding window's sub-window does not show in ``remaining`` (OpenAI warns that
+  bursts may be refused although the minute has room). A 429's ``retry_after_s`` is the exact time after
+  which *the same* request would be admitted if nothing else arrived, sub-window and its own rejected
+  charge included; the server rounds it up into ``Retry-After`` and ``retry-after-ms``. Corrections only
+  lower charges, so every value stays on the safe side while requests in flight finish.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
-from runtime.clock import Clock
+__all__ = [
+    "Admitted",
+    "LimitDimension",
+    "LimitSnapshot",
+    "LimiterMode",
+    "RateLimiter",
+    "Rejected",
+]
 
-__all__ = ["Admitted", "LimitDimension", "LimitSnapshot", "Rejected", "SlidingWindowLimiter"]
+
+class LimiterMode(StrEnum):
+    """How the provider meters its per-minute limits."""
+
+    SLIDING_WINDOW = "sliding_window"  # OpenAI-like: minute window plus a sub-minute window
+    TOKEN_BUCKET = "token_bucket"  # Anthropic-like: continuously refilling bucket
 
 
 class LimitDimension(StrEnum):
@@ -61,7 +89,7 @@ class LimitSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """The request fits; ``ticket`` identifies its charge for :meth:`SlidingWindowLimiter.settle`."""
+    """The request fits; ``ticket`` identifies its charge for ``settle``."""
 
     ticket: int
     snapshot: LimitSnapshot
@@ -77,116 +105,32 @@ class Rejected:
     too_large: bool = False
 
 
-@dataclass(slots=True)
-class _Entry:
-    at: float
-    tokens: int
-    ticket: int
+class RateLimiter(Protocol):
+    """What the server needs from a limiter, whichever mode."""
+
+    rpm: int | None
+    tpm: int | None
+
+    def set_limits(self, *, rpm: int | None, tpm: int | None) -> None: ...
+
+    def try_admit(self, tokens: int, *, rejected_tokens: int = 0) -> Admitted | Rejected:
+        """Admit a request charging ``tokens``; if refused, charge ``rejected_tokens`` (when counted)."""
+        ...
+
+    def settle(self, ticket: int, actual_tokens: int) -> None: ...
+
+    def snapshot(self) -> LimitSnapshot: ...
+
+    def reset(self) -> None: ...
 
 
-class SlidingWindowLimiter:
-    """Exact sliding-window RPM/TPM limiter. ``rpm``/``tpm`` of ``None`` mean unlimited."""
+def check_limits(rpm: int | None, tpm: int | None) -> None:
+    """Raise ``ValueError`` for a limit below 1 (``None`` is unlimited)."""
+    for name, value in (("rpm", rpm), ("tpm", tpm)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 or None (unlimited), got {value}")
 
-    def __init__(self, clock: Clock, *, rpm: int | None, tpm: int | None, window_s: float = 60.0) -> None:
-        if window_s <= 0:
-            raise ValueError(f"window_s must be positive, got {window_s}")
-        self._clock = clock
-        self._window = window_s
-        self._entries: deque[_Entry] = deque()
-        self._by_ticket: dict[int, _Entry] = {}
-        self._tokens_in_window = 0
-        self._tickets = itertools.count(1)
-        self.rpm: int | None = None
-        self.tpm: int | None = None
-        self.set_limits(rpm=rpm, tpm=tpm)
 
-    def set_limits(self, *, rpm: int | None, tpm: int | None) -> None:
-        """Change the limits; charges already in the window stay."""
-        for name, value in (("rpm", rpm), ("tpm", tpm)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 or None (unlimited), got {value}")
-        self.rpm, self.tpm = rpm, tpm
-
-    def try_admit(self, tokens: int) -> Admitted | Rejected:
-        """Admit a request charging ``tokens`` now, or say when it would fit."""
-        if tokens < 0:
-            raise ValueError(f"a token charge cannot be negative, got {tokens}")
-        now = self._clock.now()
-        self._expire(now)
-        if self.tpm is not None and tokens > self.tpm:
-            return Rejected(LimitDimension.TOKENS, 0.0, self._snapshot(now), too_large=True)
-        wait_requests = self._wait_for_requests(now)
-        wait_tokens = self._wait_for_tokens(now, tokens)
-        if wait_requests > 0 or wait_tokens > 0:
-            dimension = LimitDimension.REQUESTS if wait_requests >= wait_tokens else LimitDimension.TOKENS
-            return Rejected(dimension, max(wait_requests, wait_tokens), self._snapshot(now))
-        entry = _Entry(at=now, tokens=tokens, ticket=next(self._tickets))
-        self._entries.append(entry)
-        self._by_ticket[entry.ticket] = entry
-        self._tokens_in_window += tokens
-        return Admitted(entry.ticket, self._snapshot(now))
-
-    def settle(self, ticket: int, actual_tokens: int) -> None:
-        """Correct an admitted charge to what the request really used (a no-op once it left the window)."""
-        if actual_tokens < 0:
-            raise ValueError(f"a token charge cannot be negative, got {actual_tokens}")
-        entry = self._by_ticket.get(ticket)
-        if entry is None:
-            return
-        self._tokens_in_window += actual_tokens - entry.tokens
-        entry.tokens = actual_tokens
-
-    def snapshot(self) -> LimitSnapshot:
-        """The current state, for headers on any response."""
-        now = self._clock.now()
-        self._expire(now)
-        return self._snapshot(now)
-
-    def reset(self) -> None:
-        """Forget every charge."""
-        self._entries.clear()
-        self._by_ticket.clear()
-        self._tokens_in_window = 0
-
-    @property
-    def tokens_in_window(self) -> int:
-        return self._tokens_in_window
-
-    # ------------------------------------------------------------------ internals
-
-    def _expire(self, now: float) -> None:
-        # The epsilon keeps "retry after exactly retry_after_s" true despite float rounding.
-        horizon = now - self._window + 1e-9
-        while self._entries and self._entries[0].at <= horizon:
-            old = self._entries.popleft()
-            del self._by_ticket[old.ticket]
-            self._tokens_in_window -= old.tokens
-
-    def _wait_for_requests(self, now: float) -> float:
-        if self.rpm is None or len(self._entries) < self.rpm:
-            return 0.0
-        # The oldest (len - rpm + 1) entries must leave before one more request fits.
-        blocking = self._entries[len(self._entries) - self.rpm]
-        return blocking.at + self._window - now
-
-    def _wait_for_tokens(self, now: float, tokens: int) -> float:
-        if self.tpm is None or self._tokens_in_window + tokens <= self.tpm:
-            return 0.0
-        excess = self._tokens_in_window + tokens - self.tpm
-        freed = 0
-        for entry in self._entries:
-            freed += entry.tokens
-            if freed >= excess:
-                return entry.at + self._window - now
-        return self._window  # unreachable while tokens <= tpm; kept total for safety
-
-    def _snapshot(self, now: float) -> LimitSnapshot:
-        newest_expiry = (self._entries[-1].at + self._window - now) if self._entries else 0.0
-        return LimitSnapshot(
-            limit_requests=self.rpm,
-            limit_tokens=self.tpm,
-            remaining_requests=None if self.rpm is None else max(0, self.rpm - len(self._entries)),
-            remaining_tokens=None if self.tpm is None else max(0, self.tpm - self._tokens_in_window),
-            reset_requests_s=max(0.0, newest_expiry),
-            reset_tokens_s=max(0.0, newest_expiry),
-        )
+def check_charge(tokens: int, what: str = "a token charge") -> None:
+    if tokens < 0:
+        raise ValueError(f"{what} cannot be negative, got {tokens}")

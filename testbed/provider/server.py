@@ -13,7 +13,9 @@ Routes:
 Every chat response, successful or not, carries the ``x-ratelimit-*`` headers of :mod:`.limits`. A 429
 also carries ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``. A request whose
 ``prompt + max_tokens`` exceeds the TPM limit on its own is answered 400 ``request_too_large``: it
-could never be admitted, and a 429 would invite retries forever.
+could never be admitted, and a 429 would invite retries forever. The limiter mode (OpenAI-like sliding
+windows or Anthropic-like token bucket) and whether a 429 still costs its request are set by
+:class:`.config.ProviderConfig`.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from pydantic import ValidationError
 from runtime.clock import Clock, SystemClock
 from runtime.errors import InputError
 from testbed.provider.config import ConfigPatch, Fault, ProviderConfig
-from testbed.provider.limits import LimitSnapshot, Rejected, SlidingWindowLimiter
+from testbed.provider.limits import LimiterMode, LimitSnapshot, RateLimiter, Rejected
 from testbed.provider.prefix_cache import PrefixCache
 from testbed.provider.reply import RenderedReply, render
 from testbed.provider.scenarios import ScenarioError, decide, parse_scenario
+from testbed.provider.sliding_window import SlidingWindowLimiter
 from testbed.provider.stats import ProviderStats
+from testbed.provider.token_bucket import TokenBucketLimiter
 from testbed.provider.tokenizer import REPLY_PRIMING_TOKENS, count_tokens, prompt_blocks
 from testbed.provider.wire import (
     ChatRequest,
@@ -49,7 +53,7 @@ from testbed.provider.wire import (
     usage_body,
 )
 
-__all__ = ["SCENARIO_HEADER", "TRAJECTORY_HEADER", "ProviderServer"]
+__all__ = ["SCENARIO_HEADER", "TRAJECTORY_HEADER", "ProviderServer", "make_limiter"]
 
 SCENARIO_HEADER = "X-Tether-Scenario"
 TRAJECTORY_HEADER = "X-Tether-Trajectory"
@@ -90,12 +94,7 @@ class ProviderServer:
         self._host = host
         self._port = port
         self._clock: Clock = clock or SystemClock()
-        self._limiter = SlidingWindowLimiter(
-            self._clock,
-            rpm=self._config.rpm or None,
-            tpm=self._config.tpm or None,
-            window_s=self._config.window_s,
-        )
+        self._limiter = make_limiter(self._config, self._clock)
         self._cache = PrefixCache(self._config.cache_max_trajectories)
         self._stats = ProviderStats(self._clock)
         self._fault: _ActiveFault | None = None
@@ -168,7 +167,10 @@ class ProviderServer:
     def configure(self, patch: ConfigPatch) -> ProviderConfig:
         """Apply a patch (limits, latency, fault) and return the new config."""
         self._config = patch.apply(self._config)
-        self._limiter.set_limits(rpm=self._config.rpm or None, tpm=self._config.tpm or None)
+        if patch.rebuilds_limiter:
+            self._limiter = make_limiter(self._config, self._clock)
+        else:
+            self._limiter.set_limits(rpm=self._config.rpm or None, tpm=self._config.tpm or None)
         if patch.clear_fault:
             self._fault = None
         if patch.fault is not None:
@@ -272,7 +274,8 @@ class ProviderServer:
         max_tokens = chat.max_completion_tokens or chat.max_tokens or self._config.default_max_tokens
         blocks = prompt_blocks(chat.messages, chat.tools)
         prompt_tokens = sum(count_tokens(b) for b in blocks) + REPLY_PRIMING_TOKENS
-        decision = self._limiter.try_admit(prompt_tokens + max_tokens)
+        # limits: a refused request still costs its prompt (unsuccessful requests count, see limits.py)
+        decision = self._limiter.try_admit(prompt_tokens + max_tokens, rejected_tokens=prompt_tokens)
         if isinstance(decision, Rejected):
             return self._rejected(decision, trajectory, prompt_tokens, max_tokens)
 
@@ -377,10 +380,11 @@ class ProviderServer:
                 400, error_body(message, kind="invalid_request_error", code="request_too_large")
             )
         self._stats.on_rate_limited(trajectory)
+        limit = self._config.rpm if decision.dimension == "requests" else self._config.tpm
         message = (
-            f"Rate limit reached for {decision.dimension} (limit: "
-            f"{self._config.rpm if decision.dimension == 'requests' else self._config.tpm} per "
-            f"{self._config.window_s:g}s). Please try again in {decision.retry_after_s:.3f}s."
+            f"Rate limit reached for {decision.dimension} (limit: {limit} per {self._config.window_s:g}s, "
+            f"{self._config.limiter}). Requested: {prompt_tokens + max_tokens} tokens. "
+            f"Please try again in {decision.retry_after_s:.3f}s."
         )
         return self._error(
             429,
@@ -399,6 +403,24 @@ class ProviderServer:
         return self._error(
             fault.status, error_body("forced server error (testbed fault)", kind="server_error")
         )
+
+
+def make_limiter(config: ProviderConfig, clock: Clock) -> RateLimiter:
+    """The limiter ``config`` asks for (a limit of 0 is unlimited)."""
+    rpm, tpm = config.rpm or None, config.tpm or None
+    if config.limiter is LimiterMode.TOKEN_BUCKET:
+        return TokenBucketLimiter(
+            clock, rpm=rpm, tpm=tpm, window_s=config.window_s, count_rejected=config.count_rejected
+        )
+    return SlidingWindowLimiter(
+        clock,
+        rpm=rpm,
+        tpm=tpm,
+        window_s=config.window_s,
+        sub_window_s=config.sub_window_s,
+        sub_window_tokens=config.sub_window_tokens,
+        count_rejected=config.count_rejected,
+    )
 
 
 def _retry_after_headers(seconds: float) -> dict[str, str]:

@@ -10,12 +10,16 @@ Effect keys: by default the testbed applies every delivery, seen key or not (``E
 a runtime that re-dispatches leaves a visible second effect. A test that needs a service which honours
 effect keys (deduplicates a repeat) names it: ``EffectKeys.HONOUR`` for the whole testbed, or
 ``FaultPlan(honour_effect_keys=True)`` for one service.
+
+The injector also counts, per service, the attempts that reached it and how many were in service at once
+(``door``): what a retry storm looks like from the dependency's side, whatever its callers report.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Self
 
@@ -28,7 +32,7 @@ from actors.tools_grpc.errors import ToolError
 from actors.tools_grpc.server import ServerHooks, ToolContext
 from runtime.errors import InputError
 
-__all__ = ["MALFORMED_PAYLOAD", "EffectKeys", "FaultInjector", "FaultMode", "FaultPlan"]
+__all__ = ["MALFORMED_PAYLOAD", "DoorCounts", "EffectKeys", "FaultInjector", "FaultMode", "FaultPlan"]
 
 MALFORMED_PAYLOAD = '{"env_id": "env-'  # truncated JSON: the effect happened, the reply is unreadable
 
@@ -50,6 +54,9 @@ class FaultMode(StrEnum):
     SLOW = "slow"  # wait ``delay_s`` before the tool runs, then answer normally if time remains
     MALFORMED = "malformed"  # apply the effect, answer OK with a payload that is not JSON
     DUPLICATE = "duplicate"  # hand the request to the tool twice (an at-least-once queue behind the door)
+    # Load-dependent service time: delay_s + per_call_s for every other call in service (orphans included:
+    # work whose caller gave up keeps its place until done, as on a real overloaded server).
+    CONTENDED = "contended"
 
 
 class FaultPlan(BaseModel):
@@ -60,6 +67,9 @@ class FaultPlan(BaseModel):
     mode: FaultMode = FaultMode.NONE
     status: str | None = None
     delay_s: float = Field(default=0.0, ge=0.0, le=600.0)
+    per_call_s: float = Field(
+        default=0.0, ge=0.0, le=60.0, description="contended: added per call in service"
+    )
     hang_s: float = Field(default=0.5, ge=0.0, le=600.0)
     retry_after_s: float | None = Field(default=None, ge=0.0)
     honour_effect_keys: bool | None = None  # None: the testbed's ``EffectKeys`` mode
@@ -97,6 +107,16 @@ class FaultPlan(BaseModel):
         return grpc.StatusCode[self.status or "INTERNAL"]
 
 
+@dataclass
+class DoorCounts:
+    """What reached one service: attempts, how many were in service at once, and how many finished."""
+
+    arrivals: int = 0
+    in_service: int = 0
+    peak_in_service: int = 0
+    finished: int = 0
+
+
 class FaultInjector(ServerHooks):
     """``ServerHooks`` that apply each service's ``FaultPlan`` to the calls of its tools."""
 
@@ -109,6 +129,7 @@ class FaultInjector(ServerHooks):
         self._plans: dict[str, list[FaultPlan]] = {}
         self._left: dict[str, list[int | None]] = {}
         self._lock = threading.Lock()
+        self._doors: dict[str, DoorCounts] = {}
         for service, plan in (plans or {}).items():
             self.set_plans(service, [plan] if isinstance(plan, FaultPlan) else plan)
 
@@ -134,6 +155,12 @@ class FaultInjector(ServerHooks):
         """The service's first rule (a plan with no fault when it has none)."""
         plans = self._plans.get(service)
         return plans[0] if plans else FaultPlan()
+
+    def door(self, service: str) -> DoorCounts:
+        """A copy of ``service``'s counters now."""
+        with self._lock:
+            counts = self._doors.get(service, DoorCounts())
+            return DoorCounts(counts.arrivals, counts.in_service, counts.peak_in_service, counts.finished)
 
     def _active(self, call: ToolCall, mode: FaultMode) -> FaultPlan | None:
         """The first rule of ``mode`` that applies to ``call`` now, consuming one unit of its count."""
@@ -163,6 +190,27 @@ class FaultInjector(ServerHooks):
         return 2 if self._active(call, FaultMode.DUPLICATE) else 1
 
     async def before_effect(self, call: ToolCall, ctx: ToolContext) -> None:
+        service = self._service_of.get(call.tool)
+        if service is None:
+            await self._faults(call, ctx, None)
+            return
+        with self._lock:
+            door = self._doors.setdefault(service, DoorCounts())
+            door.arrivals += 1
+            door.in_service += 1
+            door.peak_in_service = max(door.peak_in_service, door.in_service)
+            others = door.in_service - 1
+        try:
+            await self._faults(call, ctx, others)
+        finally:
+            with self._lock:
+                door.in_service -= 1
+                door.finished += 1
+
+    async def _faults(self, call: ToolCall, ctx: ToolContext, others: int | None) -> None:
+        if plan := self._active(call, FaultMode.CONTENDED):
+            # runs in the server's effect task, which outlives the caller's deadline: orphaned work
+            await ctx.sleep(plan.delay_s + plan.per_call_s * (others or 0))
         if plan := self._active(call, FaultMode.FAIL):
             raise ToolError(plan.status_code, "injected failure", retry_after=plan.retry_after_s)
         if plan := self._active(call, FaultMode.SLOW):

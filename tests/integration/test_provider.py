@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from testbed.provider import (
     TRAJECTORY_HEADER,
     ConfigPatch,
     Fault,
+    LimiterMode,
     ProviderConfig,
     ProviderServer,
     ProviderThread,
@@ -197,8 +199,8 @@ def test_models_are_listed(client: openai.OpenAI) -> None:
 def test_rate_limit_429_carries_retry_after_and_ratelimit_headers(
     client: openai.OpenAI, provider: ProviderThread
 ) -> None:
-    # Given a limit of 2 requests per minute
-    provider.configure(rpm=2)
+    # Given a limit of 2 requests per minute, counted over the minute only (this test pins the minute)
+    provider.configure(rpm=2, sub_window_s=0)
     ok = client.chat.completions.with_raw_response.create(
         model="m", messages=TASK, extra_headers=headers("slow:1")
     )
@@ -223,8 +225,8 @@ def test_rate_limit_429_carries_retry_after_and_ratelimit_headers(
 
 
 def test_tpm_reservation_and_too_large_requests(client: openai.OpenAI, provider: ProviderThread) -> None:
-    # Given tpm=500: a request reserving prompt + 2000 max_tokens can never fit
-    provider.configure(tpm=500)
+    # Given tpm=500 over the minute only: a request reserving prompt + 2000 max_tokens can never fit
+    provider.configure(tpm=500, sub_window_s=0)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="m", messages=TASK, max_tokens=2000, extra_headers=headers("slow:1")
@@ -336,6 +338,115 @@ async def test_window_slides_on_the_injected_clock() -> None:
         assert reply.choices[0].finish_reason == "stop"
 
 
+def _seconds(value: str) -> float:
+    return float(value.removesuffix("s"))
+
+
+@pytest.mark.parametrize(
+    ("mode", "sub_window_s", "refusals_allowed"),
+    [
+        (LimiterMode.TOKEN_BUCKET, None, False),
+        (LimiterMode.SLIDING_WINDOW, 0.0, False),
+        # the default per-second share does not show in the headers (as at OpenAI): a burst may be refused
+        # once, and its Retry-After then admits the retry
+        (LimiterMode.SLIDING_WINDOW, None, True),
+    ],
+)
+async def test_a_client_honouring_the_headers_is_never_refused(
+    mode: LimiterMode, sub_window_s: float | None, refusals_allowed: bool
+) -> None:
+    # Given a provider on a fake clock (refusals counted) and a client that sends only what the last
+    # reply's x-ratelimit-remaining-* allow, else waits the x-ratelimit-reset-* named, and after a 429
+    # waits its retry-after-ms
+    clock = FakeClock()
+    config = ProviderConfig(rpm=30, tpm=3_000, limiter=mode, sub_window_s=sub_window_s)
+    async with (
+        ProviderServer(config, port=free_port(), clock=clock) as server,
+        openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client,
+    ):
+        charge = None
+        remaining: tuple[int, int] | None = None
+        resets = (0.0, 0.0)
+        waits = refusals = 0
+        for i in range(60):
+            clock.advance(0.05 * (i % 4))  # a little time passes between sends, sometimes none
+            if remaining is not None and charge is not None and (remaining[0] < 1 or remaining[1] < charge):
+                clock.advance(max(resets))
+                waits += 1
+            # When it sends (a second refusal in a row raises RateLimitError and fails the test)
+            try:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="m", messages=TASK, max_tokens=150, extra_headers=headers("slow:20")
+                )
+            except openai.RateLimitError as refused:
+                refusals += 1
+                clock.advance(int(refused.response.headers["retry-after-ms"]) / 1000)
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="m", messages=TASK, max_tokens=150, extra_headers=headers("slow:20")
+                )
+            h = raw.headers
+            remaining = (int(h["x-ratelimit-remaining-requests"]), int(h["x-ratelimit-remaining-tokens"]))
+            resets = (_seconds(h["x-ratelimit-reset-requests"]), _seconds(h["x-ratelimit-reset-tokens"]))
+            charge = raw.parse().usage.prompt_tokens + 150  # type: ignore[union-attr]
+        # Then every request was admitted (at once, or on its one retry where the per-second share applies),
+        # and the limits did bind (it had to wait)
+        stats = server.stats()
+        assert stats["accepted"] == 60
+        assert stats["rate_limited"] == refusals
+        assert refusals == 0 or refusals_allowed
+        assert waits >= 1
+
+
+@pytest.mark.parametrize("mode", [LimiterMode.SLIDING_WINDOW, LimiterMode.TOKEN_BUCKET])
+async def test_retry_after_admits_the_retry_even_though_the_refusal_counted(mode: LimiterMode) -> None:
+    # Given a saturated key whose refusals cost a request
+    clock = FakeClock()
+    async with (
+        ProviderServer(ProviderConfig(rpm=2, limiter=mode), port=free_port(), clock=clock) as server,
+        openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client,
+    ):
+        for _ in range(3):
+            with contextlib.suppress(openai.RateLimitError):
+                await client.chat.completions.create(
+                    model="m", messages=TASK, extra_headers=headers("slow:1")
+                )
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model="m", messages=TASK, extra_headers=headers("slow:1"))
+        # When the client waits exactly retry-after-ms
+        clock.advance(int(info.value.response.headers["retry-after-ms"]) / 1000)
+        # Then its retry is admitted
+        await client.chat.completions.create(model="m", messages=TASK, extra_headers=headers("slow:1"))
+
+
+@pytest.mark.parametrize("count_rejected", [True, False])
+async def test_refusals_count_against_the_minute(count_rejected: bool) -> None:
+    # Given 3 requests per minute (minute only) spent at t=0 and one refusal at t=30
+    clock = FakeClock()
+    config = ProviderConfig(rpm=3, sub_window_s=0, count_rejected=count_rejected)
+    async with (
+        ProviderServer(config, port=free_port(), clock=clock) as server,
+        openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client,
+    ):
+
+        async def send() -> bool:
+            try:
+                await client.chat.completions.create(
+                    model="m", messages=TASK, extra_headers=headers("slow:1")
+                )
+            except openai.RateLimitError:
+                return False
+            return True
+
+        assert [await send() for _ in range(3)] == [True, True, True]
+        clock.advance(30)
+        assert not await send()
+        # When the first three leave the window
+        clock.advance(30.001)
+        # Then the refusal still holds one of the three places (and none when refusals are free: control run)
+        admitted = [await send() for _ in range(3)]
+    assert admitted == ([True, True, False] if count_rejected else [True, True, True])
+
+
 async def test_forced_429_fault_is_a_rate_limit_with_its_retry_after(server: ProviderServer) -> None:
     server.configure(ConfigPatch(fault=Fault(status=429, count=1, retry_after_s=2.5)))
     async with openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
@@ -359,7 +470,9 @@ async def test_api_key_is_enforced_when_configured() -> None:
 
 def test_cli_subprocess_serves_the_protocol_and_stops() -> None:
     # Given the provider started as `python -m testbed.provider` on a free port
-    config = ProviderConfig(rpm=100, tpm=50_000, ttft_ms=1.0, tokens_per_s=1000.0)
+    config = ProviderConfig(
+        rpm=100, tpm=50_000, ttft_ms=1.0, tokens_per_s=1000.0, limiter=LimiterMode.TOKEN_BUCKET
+    )
     with start_provider_subprocess(config, port=free_port()) as process:
         with openai.OpenAI(base_url=process.base_url, api_key="k", max_retries=0) as client:
             # When a client calls it
@@ -368,5 +481,6 @@ def test_cli_subprocess_serves_the_protocol_and_stops() -> None:
         assert reply.choices[0].finish_reason == "stop"
         assert process.stats()["accepted"] == 1
         assert process.configure(rpm=7)["rpm"] == 7
+        assert process.configure()["limiter"] == "token_bucket"  # the mode reached the child's command line
     # And it is gone once stopped
     assert process.process.returncode is not None

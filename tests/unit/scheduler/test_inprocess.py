@@ -16,7 +16,9 @@ from scheduler.inprocess import AlwaysAdmit, InProcessScheduler
 
 KEY = "http://provider/v1|model-a"
 CONFIG = SchedulerConfig(
-    providers={KEY: ProviderLimits(tokens_per_minute=60_000, requests_per_minute=6_000, headroom=0.0)},
+    providers={
+        KEY: ProviderLimits(tokens_per_minute=60_000, requests_per_minute=6_000, headroom=0.0, sub_window_s=0)
+    },
     pools={"default": SandboxPoolConfig(size=1, reserved=0)},
 )
 

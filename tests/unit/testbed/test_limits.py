@@ -1,4 +1,8 @@
-"""Sliding-window RPM/TPM limiter against a fake clock."""
+"""Sliding-window RPM/TPM limiter (minute window, no sub-window, rejections free) against a fake clock.
+
+The sub-window, counted rejections and the token-bucket mode have their own tests in
+``test_limiter_modes.py``; this file pins the minute window's own arithmetic.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.clock import FakeClock
-from testbed.provider.limits import Admitted, LimitDimension, Rejected, SlidingWindowLimiter
+from testbed.provider.limits import Admitted, LimitDimension, Rejected
+from testbed.provider.sliding_window import SlidingWindowLimiter
 
 
 def limiter(rpm: int | None = None, tpm: int | None = None) -> tuple[FakeClock, SlidingWindowLimiter]:
     clock = FakeClock()
-    return clock, SlidingWindowLimiter(clock, rpm=rpm, tpm=tpm, window_s=60.0)
+    return clock, SlidingWindowLimiter(
+        clock, rpm=rpm, tpm=tpm, window_s=60.0, sub_window_s=0, count_rejected=False
+    )
 
 
 def test_rpm_rejects_the_request_over_the_limit_until_the_oldest_leaves_the_window() -> None:

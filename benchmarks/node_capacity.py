@@ -1,0 +1,544 @@
+"""Capacity of one node, each figure beside its floor in the same run.
+
+1. **Scheduler throughput.** ``C`` caller actors (separate processes, as trajectory actors are) each run
+   ``L`` concurrent loops of admit -> settle through ``SchedulerHandle`` against the real scheduler actor
+   (limits far above the load, so nothing waits for tokens: the admission path itself is measured). The
+   floor: the same callers calling a bare async Ray actor (one call per operation). Also the scheduler's
+   own logic with no Ray at all (``InProcessScheduler``, the same loops in one process): what the
+   algorithm could do if calls were free. Runs are interleaved (floor, scheduler, floor, ...).
+2. **Memory per actor.** RSS, USS (private pages) and PSS from ``/proc/<pid>/smaps_rollup`` of: a bare Ray
+   actor; a probe actor importing the trajectory actor's dependencies one by one (where the memory goes);
+   and ``N`` live, *running* trajectory actors (``actors.trajectory``, the built-in ``sleep`` tool every
+   turn, a real Redis log and the testbed provider).
+3. **Largest number of live trajectories.** Not probed to exhaustion (others share this machine, so it is
+   capped at ``N`` and extrapolated, and says so): one more live trajectory costs the node about its PSS
+   (its private pages plus its share of the shared ones; with many actors PSS tends to USS), so
+   ``(MemAvailable at start - reserve) / median trajectory PSS``. The drop of ``MemAvailable`` over the
+   ``N`` started is recorded beside it as a cross-check (noisy while others work on the machine).
+4. **Hibernated trajectories.** ``H`` trajectories paused after two turns hibernate (their actor exits);
+   Redis ``MEMORY USAGE`` of each one's keys is its cost at rest. Waking: ``ensure_actor`` from the stored
+   launch and a ``status`` call (the record folded from the log, the actor answering) for all ``H`` at
+   once; the woken actors are then stopped and the wake repeated.
+
+    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3]
+
+Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from benchmarks._common import (
+    MIN_RUNS,
+    calibration,
+    provenance,
+    result_path,
+    spread,
+    write_json,
+)
+
+NAME = "node_capacity"
+KEY = "bench|capacity"
+CLASSES = ("interactive", "standard", "batch")
+# The trajectory actor's dependencies in the order it pulls them in; the probe imports them one by one.
+IMPORT_LADDER = (
+    "pydantic",
+    "msgpack",
+    "redis.asyncio",
+    "yaml",
+    "grpc",
+    "openai",
+    "cryptography.hazmat.primitives.asymmetric.ed25519",
+    "runtime.decider",
+    "actors.interpreter",
+    "scheduler.actor",
+    "breakers",
+    "actors.model_openai",
+    "actors.tools_grpc",
+    "cluster.adapters",
+    "actors.trajectory",
+)
+RESERVE_MB = 2_048  # left to the system when extrapolating the largest number of live trajectories
+
+
+@dataclass(frozen=True)
+class Settings:
+    runs: int = 3
+    callers: int = 4  # caller processes
+    loops: int = 16  # concurrent loops per caller: callers * loops concurrent admissions
+    seconds: float = 5.0  # per throughput run
+    live: int = 24  # live trajectory actors probed for memory
+    hibernated: int = 20  # trajectories hibernated, then woken together
+    quick: bool = False
+
+
+QUICK = Settings(runs=3, callers=2, loops=8, seconds=1.5, live=4, hibernated=4, quick=True)
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def memory_of(pid: int | str = "self") -> dict[str, float]:
+    """RSS, USS (private clean + dirty) and PSS of a process, in MB."""
+    fields: dict[str, float] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                fields[parts[0].rstrip(":")] = int(parts[1]) / 1024
+    return {
+        "rss": round(fields.get("Rss", 0.0), 1),
+        "uss": round(fields.get("Private_Clean", 0.0) + fields.get("Private_Dirty", 0.0), 1),
+        "pss": round(fields.get("Pss", 0.0), 1),
+    }
+
+
+def mem_available_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return -1
+
+
+# ----------------------------------------------------------------------------- actors
+
+
+@ray.remote(num_cpus=0)
+class Bare:
+    """The floor: an async actor that answers at once."""
+
+    async def ping(self) -> int:
+        return 1
+
+    def memory(self) -> dict[str, float]:
+        return memory_of()
+
+
+@ray.remote(num_cpus=0)
+class ImportProbe:
+    """A bare actor that imports modules on request and reports its memory after each."""
+
+    def memory(self) -> dict[str, float]:
+        return memory_of()
+
+    def load(self, module: str) -> dict[str, float]:
+        started = time.perf_counter()
+        importlib.import_module(module)
+        return {**memory_of(), "import_s": round(time.perf_counter() - started, 3)}
+
+
+@ray.remote(num_cpus=0, max_concurrency=1_000)  # type: ignore[call-overload]
+class Caller:
+    """Runs ``loops`` concurrent operation loops for ``seconds``; returns how many operations finished."""
+
+    async def run(self, target: Any, mode: str, loops: int, seconds: float) -> int:
+        from runtime.ports import TurnRequest
+        from scheduler.actor import SchedulerHandle
+
+        handle = SchedulerHandle(target)
+        stop = time.monotonic() + seconds
+        done = 0
+
+        async def loop(i: int) -> None:
+            nonlocal done
+            cls = CLASSES[i % len(CLASSES)]
+            while time.monotonic() < stop:
+                if mode == "bare":
+                    await target.ping.remote()
+                else:
+                    grant = await handle.admit_turn(TurnRequest(f"t{i}", cls, KEY, 100, time.time() + 600))
+                    await handle.settle_turn(grant.grant_id, 90)
+                done += 1
+
+        await asyncio.gather(*(loop(i) for i in range(loops)))
+        return done
+
+
+# ----------------------------------------------------------------------------- 1. scheduler
+
+
+async def inprocess_rate(loops: int, seconds: float) -> float:
+    """admit + settle per second through ``InProcessScheduler`` in this process (no Ray)."""
+    from runtime.ports import TurnRequest
+    from scheduler import InProcessScheduler, ProviderLimits, SchedulerConfig
+
+    limits = ProviderLimits(tokens_per_minute=10**12, requests_per_minute=10**10)
+    scheduler = InProcessScheduler(SchedulerConfig(providers={KEY: limits}))
+    await asyncio.sleep(0.5)  # the buckets start empty: let them fill far above the load
+    stop = time.monotonic() + seconds
+    done = 0
+
+    async def loop(i: int) -> None:
+        nonlocal done
+        cls = CLASSES[i % len(CLASSES)]
+        while time.monotonic() < stop:
+            grant = await scheduler.admit_turn(TurnRequest(f"t{i}", cls, KEY, 100, time.time() + 600))
+            await scheduler.settle_turn(grant.grant_id, 90)
+            done += 1
+
+    await asyncio.gather(*(loop(i) for i in range(loops)))
+    await scheduler.aclose()
+    return done / seconds
+
+
+def scheduler_throughput(s: Settings) -> dict[str, Any]:
+    from scheduler.actor import SchedulerHandle
+    from scheduler.config import ProviderLimits, SchedulerConfig
+
+    limits = ProviderLimits(tokens_per_minute=10**12, requests_per_minute=10**10)
+    handle = SchedulerHandle.connect(
+        SchedulerConfig(providers={KEY: limits}), name=f"sched-{uuid.uuid4().hex[:6]}"
+    )
+    bare = Bare.remote()  # type: ignore[attr-defined]
+    callers = [Caller.remote() for _ in range(s.callers)]  # type: ignore[attr-defined]
+    # warm both paths (worker start, first calls, bucket fill)
+    ray.get([c.run.remote(bare, "bare", 2, 0.5) for c in callers])
+    ray.get([c.run.remote(handle.actor, "scheduler", 2, 0.5) for c in callers])
+    time.sleep(1.0)
+    bare_rates: list[float] = []
+    admit_rates: list[float] = []
+    for _ in range(s.runs):
+        for mode, target, rates in (("bare", bare, bare_rates), ("scheduler", handle.actor, admit_rates)):
+            counts = ray.get([c.run.remote(target, mode, s.loops, s.seconds) for c in callers])
+            rates.append(sum(counts) / s.seconds)
+    inproc = [asyncio.run(inprocess_rate(s.callers * s.loops, s.seconds)) for _ in range(s.runs)]
+    for actor in (*callers, bare, handle.actor):
+        ray.kill(actor)
+    return {
+        "admissions_per_s": spread(admit_rates, 1),
+        "bare_actor_calls_per_s": spread(bare_rates, 1),
+        "inprocess_admissions_per_s": spread(inproc, 1),
+        "concurrent_callers": s.callers * s.loops,
+        "caller_processes": s.callers,
+        "what": (
+            "admissions_per_s: admit + settle pairs per second through the scheduler actor (one admit call "
+            "each; settlements batched per caller process by SchedulerHandle); bare_actor_calls_per_s: "
+            "calls to an async actor that answers at once, same callers; inprocess_admissions_per_s: the "
+            "same loops against InProcessScheduler in one process (no Ray: the logic's own ceiling)"
+        ),
+    }
+
+
+# ----------------------------------------------------------------------------- 2./3. memory
+
+
+def import_ladder() -> list[dict[str, Any]]:
+    probe = ImportProbe.remote()  # type: ignore[attr-defined]
+    rows: list[dict[str, Any]] = [{"module": "(bare actor)", **ray.get(probe.memory.remote())}]
+    for module in IMPORT_LADDER:
+        rows.append({"module": module, **ray.get(probe.load.remote(module))})
+    ray.kill(probe)
+    previous = rows[0]
+    for row in rows[1:]:
+        row["delta_rss"] = round(row["rss"] - previous["rss"], 1)
+        row["delta_uss"] = round(row["uss"] - previous["uss"], 1)
+        previous = row
+    return rows
+
+
+class Fleet:
+    """Trajectory actors over one Redis and the testbed provider, started like ``tether run`` starts them."""
+
+    def __init__(self, redis_url: str, provider_url: str, keyring: Path) -> None:
+        from cluster.adapters import ClusterAdapters
+        from cluster.control_client import ControlClient
+
+        self.redis_url = redis_url
+        self.provider_url = provider_url
+        self.keyring = keyring
+        self.adapters = ClusterAdapters()
+        self.client = ControlClient.from_url(redis_url, keyring=keyring, ttl_s=600.0)
+        self.runs: list[Any] = []
+
+    def launch(self, prefix: str, hibernate_after_s: float | None = None) -> str:
+        from actors.launch import CheckLaunch, ProviderLaunch
+        from actors.trajectory import TrajectoryLaunch, ensure_actor, save_launch
+
+        tid = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        launch = TrajectoryLaunch(
+            trajectory_id=tid,
+            goal="keep working until stopped",
+            ceilings={"tokens": 10_000_000},
+            grants=("sleep",),
+            local_tools=("sleep",),
+            created_at=time.time(),
+            deadline_s=86_400.0,
+            metadata={"scenario": "finish_after:100000"},
+            provider=ProviderLaunch(base_url=self.provider_url, model="sim"),
+            redis_url=self.redis_url,
+            use_scheduler=False,
+            guard="local",
+            keyring_path=str(self.keyring),
+            completion_check=CheckLaunch(name="always"),
+            hibernate_after_s=hibernate_after_s,
+            tool_timeout_s=600.0,
+        )
+        save_launch(self.redis_url, launch)
+        self.runs.append(ensure_actor(launch, self.adapters).run.remote())
+        return tid
+
+    async def wait(self, tids: Sequence[str], check: Any, what: str, timeout_s: float = 900.0) -> None:
+        from runtime.errors import DependencyError
+
+        deadline = time.monotonic() + timeout_s
+        left = set(tids)
+        while left:
+            for tid in list(left):
+                try:
+                    status = await self.client.status(tid)
+                except DependencyError:
+                    status = None
+                if status is not None and check(status):
+                    left.discard(tid)
+            if left and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(left)} trajectories never reached {what}")
+            await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def actor_pid(trajectory_id: str) -> int:
+    actor = ray.get_actor(f"traj:{trajectory_id}", namespace="tether")
+    pid: Any = ray.get(actor.pid.remote())
+    return int(pid)
+
+
+async def live_trajectories(fleet: Fleet, n: int) -> dict[str, Any]:
+    """Start ``n`` running trajectories in batches; their memory and the node's marginal cost of each."""
+    available_before = mem_available_mb()
+    tids: list[str] = []
+    for start in range(0, n, 8):  # batches: many workers importing at once starve a 2-core machine
+        batch = [fleet.launch("live") for _ in range(min(8, n - start))]
+        tids += batch
+        await fleet.wait(batch, lambda st: st.turns >= 3, "three turns")
+    await asyncio.sleep(2.0)
+    per_actor = [memory_of(actor_pid(tid)) for tid in tids]
+    available_after = mem_available_mb()
+    marginal = (available_before - available_after) / n
+    return {
+        "tids": tids,
+        "per_actor": per_actor,
+        "available": (available_before, available_after),
+        "marginal_mb": marginal,
+    }
+
+
+def stop_trajectories(tids: Sequence[str]) -> None:
+    for tid in tids:
+        with contextlib.suppress(ValueError):  # already gone
+            ray.kill(ray.get_actor(f"traj:{tid}", namespace="tether"), no_restart=True)
+
+
+# ----------------------------------------------------------------------------- 4. hibernation
+
+
+async def hibernation(fleet: Fleet, h: int, rounds: int) -> dict[str, Any]:
+    import redis.asyncio as aioredis
+
+    from actors.trajectory import NONCE_KEY_PREFIX, ensure_actor, load_launch
+    from cluster.control import ControlAction
+    from cluster.control_client import LAUNCH_PREFIX, status_key
+    from cluster.log_store import log_key
+
+    tids = [fleet.launch("hib", hibernate_after_s=0.5) for _ in range(h)]
+    await fleet.wait(tids, lambda st: st.turns >= 2, "two turns")
+    for tid in tids:
+        await fleet.client.send(tid, ControlAction.PAUSE, issuer="operator", check_known=False)
+    await fleet.wait(tids, lambda st: st.hibernated, "hibernation")
+    client = aioredis.Redis.from_url(fleet.redis_url)
+    per: list[int] = []
+    entries: list[int] = []
+    try:
+        for tid in tids:
+            keys = [log_key(tid), f"{LAUNCH_PREFIX}{tid}", status_key(tid), f"{NONCE_KEY_PREFIX}{tid}"]
+            per.append(sum([int(await client.memory_usage(k, samples=0) or 0) for k in keys]))
+            entries.append(int(await client.xlen(log_key(tid))))
+    finally:
+        await client.aclose()
+    await asyncio.sleep(3.0)  # the hibernated processes are gone
+    wake_s: list[float] = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        launches = [load_launch(fleet.redis_url, tid) for tid in tids]
+        actors = [ensure_actor(launch, fleet.adapters) for launch in launches if launch is not None]
+        statuses = await asyncio.gather(*(a.status.remote() for a in actors))
+        wake_s.append(time.perf_counter() - started)
+        assert all(st["state"] == "PAUSED" for st in statuses), [st["state"] for st in statuses]
+        stop_trajectories(tids)  # back to rest: the record stays in Redis
+        await asyncio.sleep(3.0)
+    return {
+        "bytes_per_trajectory": spread([float(b) for b in per], 0),
+        "log_entries_per_trajectory": spread([float(e) for e in entries], 1),
+        "wake_n": len(tids),
+        "wake_s": spread(wake_s, 3),
+        "wake_s_per_trajectory": round(statistics.median(wake_s) / len(tids), 3),
+        "keys": ["tether:log:<id>", "tether:launch:<id>", "tether:status:<id>", "tether:nonces:<id>"],
+    }
+
+
+# ----------------------------------------------------------------------------- run
+
+
+async def services_part(s: Settings, workdir: Path) -> dict[str, Any]:
+    from actors.relay import start_relays, stop_relays
+    from cluster.redis_server import RedisServer
+    from cluster.signing import Role, create_key
+    from testbed.provider.config import ProviderConfig
+    from testbed.provider.launch import start_provider_thread
+
+    server = RedisServer(data_dir=workdir / "redis").start()
+    provider = start_provider_thread(ProviderConfig(ttft_ms=20.0, tokens_per_s=2000.0))
+    keyring = workdir / "keyring.yaml"
+    create_key("operator", [Role.OPERATOR], keyring)
+    fleet = Fleet(server.url, provider.base_url, keyring)
+    relays = start_relays(server.url, 2, adapters=fleet.adapters, config={"block_ms": 100})
+    try:
+        progress(f"starting {s.live} live trajectories")
+        live = await live_trajectories(fleet, s.live)
+        stop_trajectories(live["tids"])
+        await asyncio.sleep(3.0)
+        progress(f"hibernating {s.hibernated} trajectories")
+        hib = await hibernation(fleet, s.hibernated, s.runs)
+    finally:
+        stop_relays(relays)
+        await fleet.close()
+        provider.stop()
+        server.stop()
+    return {"live": live, "hibernated": hib}
+
+
+def run(s: Settings) -> dict[str, Any]:
+    from cluster.runner import start_local_ray
+
+    before = calibration()
+    start_local_ray(num_cpus=2)
+    try:
+        progress("scheduler throughput")
+        sched = scheduler_throughput(s)
+        progress("import ladder")
+        ladder = import_ladder()
+        bares = [Bare.remote() for _ in range(max(MIN_RUNS, s.runs))]  # type: ignore[attr-defined]
+        bare_mem = ray.get([b.memory.remote() for b in bares])
+        for b in bares:
+            ray.kill(b)
+        with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
+            part = asyncio.run(services_part(s, Path(tmp)))
+    finally:
+        ray.shutdown()
+    live, hib = part["live"], part["hibernated"]
+    per_actor = live["per_actor"]
+    pss = statistics.median(m["pss"] for m in per_actor)
+    available_at_start = live["available"][0]
+    max_live = int((available_at_start - RESERVE_MB) / pss)
+    return {
+        "runs": s.runs,
+        "scheduler": sched,
+        "actor_memory_mb": {
+            "trajectory_rss": spread([m["rss"] for m in per_actor], 1),
+            "trajectory_uss": spread([m["uss"] for m in per_actor], 1),
+            "trajectory_pss": spread([m["pss"] for m in per_actor], 1),
+            "bare_rss": spread([m["rss"] for m in bare_mem], 1),
+            "bare_uss": spread([m["uss"] for m in bare_mem], 1),
+            "import_ladder": ladder,
+            "what": (
+                "trajectory_*: running trajectory actors (sleep tool every turn, >= 3 turns done), one "
+                "value per actor; bare_*: an async Ray actor with no imports of ours; import_ladder: one "
+                "probe actor importing the trajectory actor's dependencies in order (cumulative, delta = "
+                "that import)"
+            ),
+        },
+        "max_live_trajectories": max_live,
+        "max_live_estimate": {
+            "extrapolated": True,
+            "probed_live": len(per_actor),
+            "marginal_mb_per_live_trajectory": round(pss, 1),
+            "mem_available_drop_mb_per_trajectory": round(live["marginal_mb"], 1),
+            "mem_available_mb_at_start": available_at_start,
+            "reserve_mb": RESERVE_MB,
+            "how": "(MemAvailable at start - reserve) / median PSS of a running trajectory actor; the "
+            "MemAvailable drop per trajectory started is a cross-check (others' work moves it)",
+        },
+        "hibernated": hib,
+        **provenance(s.__dict__, before),
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_s, ax_m) = plt.subplots(1, 2, figsize=(12, 4.4))
+    sched = result["scheduler"]
+    names = ["bare actor call", "scheduler admit+settle", "in-process (no Ray)"]
+    keys = ["bare_actor_calls_per_s", "admissions_per_s", "inprocess_admissions_per_s"]
+    med = [sched[k]["median"] for k in keys]
+    err = [
+        [m - sched[k]["min"] for m, k in zip(med, keys, strict=True)],
+        [sched[k]["max"] - m for m, k in zip(med, keys, strict=True)],
+    ]
+    ax_s.bar(names, med, yerr=err, color=["grey", "tab:blue", "tab:green"])
+    ax_s.set_yscale("log")
+    ax_s.set_ylabel("operations / s (median, min-max)")
+    ax_s.set_title(f"{sched['concurrent_callers']} concurrent callers")
+    ladder = result["actor_memory_mb"]["import_ladder"]
+    ax_m.plot(range(len(ladder)), [r["rss"] for r in ladder], marker="o", label="RSS")
+    ax_m.plot(range(len(ladder)), [r["uss"] for r in ladder], marker="o", label="USS")
+    ax_m.set_xticks(
+        range(len(ladder)),
+        [r["module"].split(".")[0] if i else "bare" for i, r in enumerate(ladder)],
+        rotation=60,
+        fontsize=7,
+    )
+    mem = result["actor_memory_mb"]
+    ax_m.axhline(
+        mem["trajectory_rss"]["median"], color="tab:blue", linestyle=":", label="running trajectory RSS"
+    )
+    ax_m.axhline(
+        mem["trajectory_uss"]["median"], color="tab:orange", linestyle=":", label="running trajectory USS"
+    )
+    ax_m.set_ylabel("MB")
+    ax_m.set_title("where a trajectory actor's memory goes")
+    ax_m.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small and short, to check the benchmark works")
+    parser.add_argument("--runs", type=int, default=None, help=f"repetitions (at least {MIN_RUNS})")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else Settings()
+    if args.runs is not None:
+        settings = Settings(**{**settings.__dict__, "runs": max(MIN_RUNS, args.runs)})
+    result = run(settings)
+    out = result_path(NAME, settings.quick)
+    write_json(out.stem, result, out.parent)
+    plot(result, out.with_suffix(".png"))
+    print(out)
+    print({k: result[k] for k in ("scheduler", "max_live_trajectories")})
+
+
+if __name__ == "__main__":
+    main()

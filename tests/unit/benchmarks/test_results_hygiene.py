@@ -1,0 +1,57 @@
+"""Benchmark hygiene: spreads over runs, quick runs never over headline files, the README table generated
+from the headline JSON only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks._common import result_path, spread
+from benchmarks.readme_table import BEGIN, END, regenerate, table
+
+
+def test_spread_is_min_median_max_over_runs() -> None:
+    assert spread([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "runs": 3}
+    with pytest.raises(ValueError, match="no runs"):
+        spread([])
+
+
+def test_a_quick_run_writes_next_to_the_headline_file(tmp_path: Path) -> None:
+    assert result_path("rate_limit", quick=False, results_dir=tmp_path) == tmp_path / "rate_limit.json"
+    assert result_path("rate_limit", quick=True, results_dir=tmp_path) == tmp_path / "rate_limit.quick.json"
+
+
+def _turn_overhead(p50: float) -> dict[str, object]:
+    return {
+        "harness_ms": {"p50": p50, "p99": 2 * p50},
+        "floor_ms": {"p50": 1.0, "p99": 2.0},
+        "runs": {"ratio_p50": {"min": 2.0, "median": 3.0, "max": 4.0, "runs": 3}},
+        "commit": {"sha": "0123456789abcdef", "dirty": False},
+        "calibration": {"before": {"load_avg": [3.5, 1, 1], "busy": True}},
+        "environment": {"measured_at": "2026-11-30T12:00:00Z"},
+    }
+
+
+def test_the_table_reads_headline_files_only_and_says_what_is_missing(tmp_path: Path) -> None:
+    # Given a headline turn_overhead result and a quick one with other numbers
+    (tmp_path / "turn_overhead.json").write_text(json.dumps(_turn_overhead(9.0)))
+    (tmp_path / "turn_overhead.quick.json").write_text(json.dumps(_turn_overhead(99.0)))
+    # When the table is built
+    text = table(tmp_path)
+    # Then the headline numbers and their provenance are in it, the quick ones are not, and benchmarks
+    # without a result say so
+    row = next(line for line in text.splitlines() if "`turn_overhead`" in line)
+    assert "9.0 ms" in row and "99.0" not in row
+    assert "3.00 [2.00-4.00]" in row
+    assert "`01234567`" in row and "busy machine" in row
+    assert "not measured yet" in next(line for line in text.splitlines() if "`rate_limit`" in line)
+
+
+def test_the_readme_between_its_markers_is_replaced_and_nothing_else(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\nrest\n")
+    new = regenerate(readme, tmp_path)
+    assert new.startswith("intro\n") and new.endswith(f"{END}\nrest\n")
+    assert "old table" not in new and "| benchmark |" in new
