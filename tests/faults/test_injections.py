@@ -292,7 +292,6 @@ async def test_a_human_never_answers_an_escalation_and_the_pending_state_expires
     # When the approval's expiry passes (control: an expiry a day away, observed for 20 s)
     done, _ = await asyncio.wait({running}, timeout=20.0 if not expires else 90.0)
     record = await record_of(redis_url, tid)
-    ledger = await book(testbed)
     if not expires:
         running.cancel()
         with contextlib.suppress(BaseException):
@@ -303,6 +302,7 @@ async def test_a_human_never_answers_an_escalation_and_the_pending_state_expires
     # Then the pending state expired as a denial, nothing was sent, nothing is held, and the trajectory
     # went on to its end
     assert done
+    ledger = await book(testbed)
     events = await events_of(redis_url, tid)
     decisions = [e.decision for e in events if isinstance(e, ApprovalDecided)]
     assert decisions == [ApprovalDecision.EXPIRED]
