@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: constraints setup demo test test-unit test-integration test-stress chaos lint typecheck fmt bench clean \
-	redis-check bwrap-check proto
+	redis-check prometheus-check bwrap-check proto
 
-setup: $(STAMP) redis-check bwrap-check
+setup: $(STAMP) redis-check prometheus-check bwrap-check
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -29,6 +29,19 @@ redis-check:
 		systemctl disable --now redis-server >/dev/null 2>&1 || service redis-server stop >/dev/null 2>&1 || true; \
 	else \
 		echo "redis-server is required. Install it with: sudo apt-get install redis-server (or brew install redis)"; \
+		exit 1; \
+	fi
+
+# Prometheus and promtool (Debian package `prometheus`): the metrics tests start a real server with the shipped
+# scrape config and run promtool on the shipped rules. Installed when missing; its system service is not run.
+prometheus-check:
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "prometheus not found: installing it with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+		systemctl disable --now prometheus >/dev/null 2>&1 || service prometheus stop >/dev/null 2>&1 || true; \
+	else \
+		echo "prometheus (server and promtool) is required. Install it with: sudo apt-get install prometheus"; \
 		exit 1; \
 	fi
 

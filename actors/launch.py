@@ -15,8 +15,19 @@ from typing import Annotated, Literal
 
 import redis
 import redis.exceptions
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from actors.contracts import DeclaredContract
+from actors.supervision_config import SupervisionSpec
+from actors.tools_mcp.config import McpRoute, McpServerConfig
 from runtime.budget import PriceTable
 from runtime.errors import CodecError, DependencyError
 from runtime.memstore import check_trajectory_id
@@ -91,6 +102,7 @@ class TrajectoryLaunch(_Frozen):
     max_tokens: int = Field(256, gt=0)
     call_deadline_s: Positive = 30.0
     deadline_s: Positive = 600.0
+    reserve_s: float = Field(0.0, ge=0.0)  # the finalization reserve (seconds before the deadline)
     created_at: NonNegative  # epoch seconds, fixed at launch so a re-created actor builds the same record
     completion_check: CheckLaunch = CheckLaunch()
     metadata: dict[str, str] = Field(default_factory=dict)  # e.g. {"scenario": "finish_after:2"}
@@ -100,6 +112,17 @@ class TrajectoryLaunch(_Frozen):
     redis_url: str = Field(min_length=1)
     tool_routes: dict[str, str] = Field(default_factory=dict)  # tool -> gRPC host:port
     local_tools: tuple[str, ...] = ()  # built-in in-process tools (actors.tools_local)
+    # Contracts the workload declared (gRPC services, MCP tools), resolved at the run's start (an MCP tool's
+    # schema as its server listed it then), so a re-created actor builds the same registry. A routed gRPC
+    # tool without one is a testbed tool with its built-in contract.
+    tool_contracts: dict[str, DeclaredContract] = Field(default_factory=dict)
+    mcp_servers: dict[str, McpServerConfig] = Field(default_factory=dict)  # server name -> how to reach it
+    mcp_tools: dict[str, McpRoute] = Field(default_factory=dict)  # tool -> (server, remote tool name)
+    # Who holds the MCP sessions: "host" (one host actor per server, shared by the run; a call outlives a
+    # killed trajectory actor) or "trajectory" (this trajectory's actor holds its own, a stdio server is its
+    # child: for a server that must be private to one trajectory, at the price that killing the actor
+    # kills its calls).
+    mcp_placement: Literal["host", "trajectory"] = "host"
     use_scheduler: bool = True  # admit through the named scheduler actor when one exists
     guard: GuardMode = "actor"  # breaker + bulkhead: one guard actor per scope, in process, or none
     retry: RetryLaunch = RetryLaunch()
@@ -113,11 +136,29 @@ class TrajectoryLaunch(_Frozen):
     # empty: such a call is refused. See actors.tools_local.SandboxCommand.
     sandbox_default_argv: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     resources: dict[str, Positive] | None = None  # None: {"tether_trajectory": 1} where defined
+    # issue 12: supervision (the watchdog ladder, projection, disclosure, escalations, degradation,
+    # delegation) and, for a child trajectory, its parent and depth
+    supervision: SupervisionSpec | None = None
+    parent_id: str | None = None
+    depth: int = Field(0, ge=0)
 
     @field_validator("trajectory_id")
     @classmethod
     def _valid_id(cls, value: str) -> str:
         return check_trajectory_id(value)
+
+    @model_validator(mode="after")
+    def _tool_routes_consistent(self) -> TrajectoryLaunch:
+        routed = [*self.tool_routes, *self.local_tools, *self.mcp_tools]
+        twice = sorted({t for t in routed if routed.count(t) > 1})
+        if twice:
+            raise ValueError(f"tools routed twice: {', '.join(twice)}")
+        for tool, route in self.mcp_tools.items():
+            if route.server not in self.mcp_servers:
+                raise ValueError(f"mcp_tools.{tool}: server {route.server!r} is not in mcp_servers")
+            if tool not in self.tool_contracts:
+                raise ValueError(f"mcp_tools.{tool}: an MCP tool needs its contract in tool_contracts")
+        return self
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -5,32 +5,45 @@
   absolute deadline (the SDK timeout and a timer on the injected clock are both ``deadline - now``).
 - Cancellation (harness chapter, streaming cancellation): when the ``CancelToken`` fires the stream is
   closed mid-way, the partial reply is discarded (never parsed into a call) and
-  ``ModelCallCancelled(reason, usage)`` is raised. An aborted stream carries no usage report, so the
-  usage billed is *output = content-bearing chunks received* (one chunk is one token on the testbed;
-  an approximation on real providers) and *uncached input = the prompt estimate* of
-  ``prompt_estimator`` (default: JSON characters / 4). This is the only place usage is estimated.
+  ``ModelCallCancelled(reason, usage)`` is raised.
 - Tool-call deltas are assembled into ``ToolCallProposal(call_id, tool, raw_arguments)``; arguments
   are passed through as text, never parsed or repaired.
-- Errors map onto ``runtime.errors``: 429 → :class:`ModelRateLimited` (a ``ProviderRateLimited``
-  with ``retry_after`` from ``retry-after-ms``/``Retry-After`` and the ``x-ratelimit-remaining-*``
-  values); timeouts, connection failures, 408/409/5xx and a broken stream → :class:`ModelCallFailed`
-  (a retryable ``DependencyError``); other 4xx → ``ModelCallFailed(non_retryable=True)``. Both
-  carry ``usage``: what was billed before the failure.
+- Every response's rate-limit headers are parsed (``actors.provider_headers``) into a
+  ``RateLimitInfo``: on a reply as ``ModelReply.rate_limit``, on an error as ``.rate_limit``.
+
+Errors: nothing but ``runtime.errors`` types leaves ``complete``. A 429 is :class:`ModelRateLimited` (a
+``ProviderRateLimited``: admission feedback, with the parsed ``RateLimitInfo``). Everything else that goes
+wrong, whatever raised it (the SDK, the HTTP transport, a stream line that is not JSON, a chunk of an
+unexpected shape, a reset mid-stream), is :class:`ModelCallFailed` (a ``DependencyError``) whose message
+names the provider, what failed and where (HTTP status, chunk number, the offending data), with
+``non_retryable`` only for a 4xx other than 408/409/429 or an unknown finish reason.
+
+Metering (the only place usage is estimated, always flagged):
+
+- a reply whose provider reports usage is metered from that report, exactly;
+- a reply without a usage report (a provider that ignores ``include_usage``) is metered from the estimate
+  below and carries ``usage_estimated=True``: never zero;
+- a failed or cancelled call carries the usage it saw: the provider's report if it arrived before the
+  break, else the estimate once the server accepted the call (a 2xx status: it has the prompt, and may
+  have streamed), else nothing (an error status or no answer: nothing is known to be billed);
+- the estimate: *uncached input* = ``prompt_estimator(request)`` (default: JSON characters of messages
+  and tools / 4) and *output* = content-bearing chunks received (one chunk is one token on OpenAI-style
+  streams and on the testbed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import email.utils
 import json
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import openai
 
+from actors.provider_headers import parse_rate_limit
 from runtime.clock import Clock, SystemClock
 from runtime.errors import DependencyError, ModelCallCancelled, ProviderRateLimited
 from runtime.ports import (
@@ -46,6 +59,8 @@ from runtime.ports import (
 __all__ = [
     "SCENARIO_HEADER",
     "TRAJECTORY_HEADER",
+    "CallObserved",
+    "CallObserver",
     "ModelCallFailed",
     "ModelRateLimited",
     "OpenAIModel",
@@ -54,7 +69,8 @@ __all__ = [
 
 SCENARIO_HEADER = "X-Tether-Scenario"
 TRAJECTORY_HEADER = "X-Tether-Trajectory"
-_REMAINING_PREFIX = "x-ratelimit-remaining-"
+
+_log = logging.getLogger(__name__)
 
 _STOP_REASONS: Mapping[str, StopReason] = {
     "stop": StopReason.END_TURN,
@@ -63,20 +79,35 @@ _STOP_REASONS: Mapping[str, StopReason] = {
     "function_call": StopReason.TOOL_USE,  # the legacy name of tool_calls
     "content_filter": StopReason.REFUSAL,
 }
+_EXCERPT = 120  # characters of offending data quoted in an error message
 
 
 class ModelRateLimited(ProviderRateLimited):
-    """HTTP 429 from the provider, with what it said about its limits (``x-ratelimit-remaining-*``)."""
+    """HTTP 429 from the provider; ``rate_limit`` is what its headers said (``remaining`` repeats the
+    ``x-ratelimit-remaining-*`` counts), ``status`` is 429."""
+
+    status = 429
 
     def __init__(
-        self, message: str, *, scope: str | None, retry_after: float | None, remaining: Mapping[str, float]
+        self,
+        message: str,
+        *,
+        scope: str | None,
+        retry_after: float | None,
+        remaining: Mapping[str, float],
+        rate_limit: RateLimitInfo | None = None,
     ) -> None:
-        super().__init__(message, scope=scope, retry_after=retry_after)
+        super().__init__(message, scope=scope, retry_after=retry_after, rate_limit=rate_limit)
         self.remaining = dict(remaining)
 
 
 class ModelCallFailed(DependencyError):
-    """The model call failed outside the harness's control; ``usage`` is what was billed before it."""
+    """The model call failed outside the harness's control.
+
+    ``usage`` is what was billed before the failure (see the module docstring), ``usage_estimated`` whether
+    it is the adapter's estimate, ``status`` the HTTP status when the server answered one, ``rate_limit``
+    what the response's headers said about limits (None: no headers).
+    """
 
     def __init__(
         self,
@@ -86,10 +117,44 @@ class ModelCallFailed(DependencyError):
         usage: Usage,
         non_retryable: bool = False,
         status: int | None = None,
+        usage_estimated: bool = False,
+        rate_limit: RateLimitInfo | None = None,
     ) -> None:
-        super().__init__(message, scope=scope, non_retryable=non_retryable)
-        self.usage = usage
+        super().__init__(message, scope=scope, non_retryable=non_retryable, usage=usage)
+        self.usage: Usage = usage
         self.status = status
+        self.usage_estimated = usage_estimated
+        self.rate_limit = rate_limit
+
+
+@dataclass(frozen=True, slots=True)
+class CallObserved:
+    """One model call as the adapter saw it end, for counters (``CallObserver``).
+
+    ``status`` is the HTTP status the server answered (None: no answer, e.g. connection refused or a
+    deadline before the headers); ``outcome`` is ``reply``, ``rate_limited``, ``failed`` or ``cancelled``
+    (a 200 whose stream then broke is status 200, outcome ``failed``); ``hint_source`` names the header
+    that carried a retry hint.
+    """
+
+    provider: str
+    trajectory_id: str
+    status: int | None
+    outcome: Literal["reply", "rate_limited", "failed", "cancelled"]
+    hint_source: str | None = None
+    retry_after_s: float | None = None
+    usage_estimated: bool = False
+
+
+class CallObserver(Protocol):
+    """Told about every call ``complete`` made (once per call). Must be quick and must not raise."""
+
+    def observe(self, call: CallObserved) -> None: ...
+
+
+class _NoObserver:
+    def observe(self, call: CallObserved) -> None:
+        pass
 
 
 def estimate_prompt_tokens(request: ModelRequest) -> int:
@@ -111,10 +176,12 @@ class _Stream:
 
     text: list[str] = field(default_factory=list)
     calls: dict[int, _CallSlot] = field(default_factory=dict)
-    chunks: int = 0  # content-bearing chunks: the output tokens billed if the stream is cut
+    received: int = 0  # every chunk parsed, content or not (names the place a bad one broke the stream)
+    chunks: int = 0  # content-bearing chunks: the output estimate when the provider reports no usage
     finish_reason: str | None = None
-    usage: Any = None  # the SDK's CompletionUsage from the final chunk
-    remaining: dict[str, float] = field(default_factory=dict)
+    usage: Usage | None = None  # the provider's report, from the final chunk
+    status: int | None = None  # the HTTP status, once the headers arrived
+    rate_limit: RateLimitInfo | None = None
 
 
 class OpenAIModel:
@@ -123,7 +190,8 @@ class OpenAIModel:
     ``client`` may be injected (it must have ``max_retries=0``); otherwise one is built from
     ``base_url``/``api_key``. ``on_chunk`` is a hook called with the running count of
     content-bearing chunks (no-op by default; tests and progress meters use it). ``scope`` names the
-    provider in raised errors (default: ``base_url``).
+    provider in raised errors (default: ``base_url``). ``observer`` is told how every call ended
+    (no-op by default; ``actors.provider_tally.RedisProviderTally`` publishes the run report's counts).
     """
 
     def __init__(
@@ -137,6 +205,7 @@ class OpenAIModel:
         on_chunk: Callable[[int], None] | None = None,
         scope: str | None = None,
         max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = "max_tokens",
+        observer: CallObserver | None = None,
     ) -> None:
         if client is not None and client.max_retries != 0:
             raise ValueError("the injected openai client must have max_retries=0 (Tether owns retries)")
@@ -146,13 +215,15 @@ class OpenAIModel:
         self._on_chunk = on_chunk or (lambda _n: None)
         self.scope = scope or base_url
         self._max_tokens_field = max_tokens_field
+        self._observer: CallObserver = observer or _NoObserver()
+        self._warned_headers: set[str] = set()
 
     async def aclose(self) -> None:
         """Close the underlying HTTP client."""
         await self._client.close()
 
     async def complete(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
-        """Stream one completion; see the module docstring for cancellation, deadline and errors."""
+        """Stream one completion; see the module docstring for cancellation, deadline, errors and metering."""
         if cancel.cancelled:
             raise ModelCallCancelled(cancel.reason or "cancelled", Usage())
         remaining = request.deadline - self._clock.wall()
@@ -163,7 +234,26 @@ class OpenAIModel:
                 usage=Usage(),
             )
         state = _Stream()
-        call = asyncio.create_task(self._stream(request, remaining, state))
+        try:
+            reply = await self._complete(request, cancel, remaining, state)
+        except ModelCallCancelled:
+            self._observe(request, state, "cancelled", None)
+            raise
+        except ProviderRateLimited as e:
+            self._observe(request, state, "rate_limited", e.rate_limit)
+            raise
+        except ModelCallFailed as e:
+            self._observe(request, state, "failed", e.rate_limit, e.usage_estimated)
+            raise
+        self._observe(request, state, "reply", reply.rate_limit, reply.usage_estimated)
+        return reply
+
+    # ------------------------------------------------------------------ internals
+
+    async def _complete(
+        self, request: ModelRequest, cancel: CancelToken, remaining: float, state: _Stream
+    ) -> ModelReply:
+        call = asyncio.create_task(self._stream(request, remaining, state, cancel))
         cancelled = asyncio.create_task(cancel.wait())
         expired = asyncio.create_task(self._clock.sleep(remaining))
         try:
@@ -178,20 +268,66 @@ class OpenAIModel:
         if finished_first:
             return call.result()  # a reply that finished wins over a cancel or deadline that raced it
         if cancel.cancelled:
-            raise ModelCallCancelled(cancel.reason or "cancelled", self._partial_usage(request, state))
+            usage, _ = self._failed_usage(request, state)
+            raise ModelCallCancelled(cancel.reason or "cancelled", usage)
+        usage, estimated = self._failed_usage(request, state)
         raise ModelCallFailed(
-            f"model call exceeded its deadline after {remaining:.3f}s ({state.chunks} chunks received)",
+            f"model call to {self.scope} exceeded its deadline after {remaining:.3f}s "
+            f"({state.chunks} content chunks received)",
             scope=self.scope,
-            usage=self._partial_usage(request, state),
+            usage=usage,
+            usage_estimated=estimated,
+            status=state.status,
+            rate_limit=state.rate_limit,
         )
 
-    # ------------------------------------------------------------------ internals
+    def _observe(
+        self,
+        request: ModelRequest,
+        state: _Stream,
+        outcome: Literal["reply", "rate_limited", "failed", "cancelled"],
+        info: object,
+        usage_estimated: bool = False,
+    ) -> None:
+        limit = info if isinstance(info, RateLimitInfo) else None
+        seen = CallObserved(
+            provider=self.scope,
+            trajectory_id=request.trajectory_id,
+            status=state.status,
+            outcome=outcome,
+            hint_source=limit.hint_source if limit is not None else None,
+            retry_after_s=limit.retry_after_s if limit is not None else None,
+            usage_estimated=usage_estimated,
+        )
+        try:
+            self._observer.observe(seen)
+        except Exception:  # counters are a view: a failing one never fails the call
+            _log.warning("model call observer failed", exc_info=True)
 
-    def _partial_usage(self, request: ModelRequest, state: _Stream) -> Usage:
-        # An aborted stream has no usage chunk: charge the prompt estimate and the chunks received.
+    def _estimated_usage(self, request: ModelRequest, state: _Stream) -> Usage:
         return Usage(uncached_input=self._estimate(request), output=state.chunks)
 
-    async def _stream(self, request: ModelRequest, timeout: float, state: _Stream) -> ModelReply:
+    def _failed_usage(self, request: ModelRequest, state: _Stream) -> tuple[Usage, bool]:
+        """The usage a failed or aborted call carries, and whether it is estimated (module docstring)."""
+        if state.usage is not None:
+            return state.usage, False
+        if state.status is None or not 200 <= state.status < 300:
+            return Usage(), False  # no reply began: nothing is known to be billed
+        return self._estimated_usage(request, state), True
+
+    def _limits(self, headers: Mapping[str, str], where: str) -> RateLimitInfo | None:
+        parsed = parse_rate_limit(headers, self._clock.wall())
+        for name, value in parsed.unreadable:
+            if name not in self._warned_headers:  # once per header name: a server sends it on every reply
+                self._warned_headers.add(name)
+                _log.warning(
+                    "%s: ignored unreadable header %s: %r on %s", self.scope, name, value[:_EXCERPT], where
+                )
+        return parsed.info
+
+    async def _stream(
+        self, request: ModelRequest, timeout: float, state: _Stream, cancel: CancelToken
+    ) -> ModelReply:
         headers = {TRAJECTORY_HEADER: request.trajectory_id}
         if scenario := request.metadata.get("scenario"):
             headers[SCENARIO_HEADER] = scenario
@@ -208,35 +344,38 @@ class OpenAIModel:
             kwargs["tools"] = list(request.tools)
         try:
             async with self._client.chat.completions.with_streaming_response.create(**kwargs) as response:
-                state.remaining = _remaining(response.headers)
+                state.status = response.status_code
+                state.rate_limit = self._limits(response.headers, f"HTTP {response.status_code}")
                 stream = await response.parse()
                 async for chunk in stream:
                     self._absorb(chunk, state)
+                    if cancel.cancelled:
+                        # chunks already buffered are read without yielding to the loop: stop here, so the
+                        # abort bills what had arrived when it was asked for, not what the buffer held
+                        break
+        except asyncio.CancelledError:
+            raise  # our own abort (cancel or deadline): complete() decides what it was
         except openai.RateLimitError as e:
+            state.status = e.status_code
             raise self._rate_limited(e) from e
         except openai.APIStatusError as e:
-            retryable = e.status_code >= 500 or e.status_code in (408, 409)
-            raise ModelCallFailed(
-                f"provider answered {e.status_code}: {e.message}",
-                scope=self.scope,
-                usage=self._partial_usage(request, state) if state.chunks else Usage(),
-                non_retryable=not retryable,
-                status=e.status_code,
-            ) from e
-        except openai.APIError as e:  # connection, timeout, an error event mid-stream
-            raise ModelCallFailed(
-                f"model call failed: {type(e).__name__}: {e.message}",
-                scope=self.scope,
-                usage=self._partial_usage(request, state) if state.chunks else Usage(),
-            ) from e
+            raise self._status_failed(request, state, e) from e
+        except Exception as e:  # the transport, the SDK, or the stream's content: all are a failed call
+            raise self._stream_failed(request, state, e) from e
+        if cancel.cancelled:
+            usage, _ = self._failed_usage(request, state)
+            raise ModelCallCancelled(cancel.reason or "cancelled", usage)
         return self._reply(request, state)
 
     def _absorb(self, chunk: Any, state: _Stream) -> None:
-        if chunk.usage is not None:
-            state.usage = chunk.usage
-        for choice in chunk.choices:
+        usage = getattr(chunk, "usage", None)
+        if usage is not None:
+            state.usage = _usage_of(usage)
+        for choice in chunk.choices or ():
             delta = choice.delta
             carried = False
+            # ``delta.content`` read plainly: a delta that is no object (the SDK does not validate chunks)
+            # raises here, and the call fails naming this chunk instead of skipping it silently
             for text in (delta.content, getattr(delta, "refusal", None)):
                 if text:
                     state.text.append(text)
@@ -255,21 +394,32 @@ class OpenAIModel:
                 self._on_chunk(state.chunks)
             if choice.finish_reason:
                 state.finish_reason = choice.finish_reason
+        state.received += 1
 
     def _reply(self, request: ModelRequest, state: _Stream) -> ModelReply:
         if state.finish_reason is None:
+            usage, estimated = self._failed_usage(request, state)
             raise ModelCallFailed(
-                f"stream ended without a finish reason after {state.chunks} chunks",
+                f"stream from {self.scope} ended without a finish reason after {state.received} chunks "
+                f"({state.chunks} with content)",
                 scope=self.scope,
-                usage=self._partial_usage(request, state),
+                usage=usage,
+                usage_estimated=estimated,
+                status=state.status,
+                rate_limit=state.rate_limit,
             )
         stop = _STOP_REASONS.get(state.finish_reason)
         if stop is None:
+            usage, estimated = self._failed_usage(request, state)
             raise ModelCallFailed(
-                f"unknown finish_reason {state.finish_reason!r} (expected one of {sorted(_STOP_REASONS)})",
+                f"unknown finish_reason {state.finish_reason!r} from {self.scope} "
+                f"(expected one of {sorted(_STOP_REASONS)})",
                 scope=self.scope,
-                usage=self._partial_usage(request, state),
+                usage=usage,
+                usage_estimated=estimated,
                 non_retryable=True,
+                status=state.status,
+                rate_limit=state.rate_limit,
             )
         calls = [
             ToolCallProposal(
@@ -277,69 +427,77 @@ class OpenAIModel:
             )
             for index, slot in sorted(state.calls.items())
         ]
+        estimated = state.usage is None  # a provider that ignores include_usage: the documented estimate
+        usage = self._estimated_usage(request, state) if state.usage is None else state.usage
         return ModelReply(
             stop_reason=stop,
             text="".join(state.text),
             tool_calls=calls,
-            usage=self._usage(request, state),
-            rate_limit=_limit_info(state.remaining),
-        )
-
-    def _usage(self, request: ModelRequest, state: _Stream) -> Usage:
-        reported = state.usage
-        if reported is None:  # a provider that ignores include_usage: the documented fallback
-            return self._partial_usage(request, state)
-        details = getattr(reported, "prompt_tokens_details", None)
-        cached = int(getattr(details, "cached_tokens", 0) or 0)
-        prompt = int(reported.prompt_tokens)
-        return Usage(
-            uncached_input=max(0, prompt - cached),
-            cached_input=cached,
-            output=int(reported.completion_tokens),
+            usage=usage,
+            rate_limit=state.rate_limit,
+            usage_estimated=estimated,
         )
 
     def _rate_limited(self, error: openai.RateLimitError) -> ModelRateLimited:
-        headers = error.response.headers
+        info = self._limits(error.response.headers, "HTTP 429")
         return ModelRateLimited(
-            f"provider rate limited the call: {error.message}",
+            f"{self.scope} rate limited the call (HTTP 429): {error.message}",
             scope=self.scope,
-            retry_after=_retry_after(headers, self._clock.wall()),
-            remaining=_remaining(headers),
+            retry_after=info.retry_after_s if info is not None else None,
+            remaining=info.remaining() if info is not None else {},
+            rate_limit=info,
+        )
+
+    def _status_failed(
+        self, request: ModelRequest, state: _Stream, error: openai.APIStatusError
+    ) -> ModelCallFailed:
+        state.status = error.status_code
+        state.rate_limit = self._limits(error.response.headers, f"HTTP {error.status_code}")
+        retryable = error.status_code >= 500 or error.status_code in (408, 409)
+        usage, estimated = self._failed_usage(request, state)
+        return ModelCallFailed(
+            f"{self.scope} answered HTTP {error.status_code}: {error.message}",
+            scope=self.scope,
+            usage=usage,
+            usage_estimated=estimated,
+            non_retryable=not retryable,
+            status=error.status_code,
+            rate_limit=state.rate_limit,
+        )
+
+    def _stream_failed(self, request: ModelRequest, state: _Stream, error: Exception) -> ModelCallFailed:
+        usage, estimated = self._failed_usage(request, state)
+        return ModelCallFailed(
+            f"model call to {self.scope} failed {_where(state)}: {_describe(error)}",
+            scope=self.scope,
+            usage=usage,
+            usage_estimated=estimated,
+            status=state.status,
+            rate_limit=state.rate_limit,
         )
 
 
-def _limit_info(remaining: Mapping[str, float]) -> RateLimitInfo | None:
-    if not remaining:
-        return None
-    return RateLimitInfo(
-        remaining_requests=remaining.get("requests"), remaining_tokens=remaining.get("tokens")
+def _where(state: _Stream) -> str:
+    if state.status is None:
+        return "before any response"
+    return f"in the HTTP {state.status} stream at chunk {state.received + 1}"
+
+
+def _describe(error: Exception) -> str:
+    """The error's type and message, plus the data it choked on when there is some (a JSON error)."""
+    text = f"{type(error).__name__}: {getattr(error, 'message', None) or error}"
+    if isinstance(error, json.JSONDecodeError):
+        text += f"; the line's data was {error.doc[:_EXCERPT]!r}"
+    return text
+
+
+def _usage_of(reported: Any) -> Usage:
+    """``Usage`` from the SDK's ``CompletionUsage`` (cached tokens split out of the prompt)."""
+    details = getattr(reported, "prompt_tokens_details", None)
+    cached = int(getattr(details, "cached_tokens", 0) or 0)
+    prompt = int(reported.prompt_tokens or 0)
+    return Usage(
+        uncached_input=max(0, prompt - cached),
+        cached_input=cached,
+        output=int(reported.completion_tokens or 0),
     )
-
-
-def _remaining(headers: Mapping[str, str]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name, value in headers.items():
-        key = name.lower()
-        if key.startswith(_REMAINING_PREFIX):
-            with contextlib.suppress(ValueError):
-                out[key[len(_REMAINING_PREFIX) :]] = float(value)
-    return out
-
-
-def _retry_after(headers: Mapping[str, str], now_wall: float) -> float | None:
-    """Seconds to wait: ``retry-after-ms`` first (precise), then ``Retry-After`` (seconds or HTTP date)."""
-    millis = headers.get("retry-after-ms")
-    if millis is not None:
-        with contextlib.suppress(ValueError):
-            return max(0.0, float(millis) / 1000.0)
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    with contextlib.suppress(TypeError, ValueError):
-        when = email.utils.parsedate_to_datetime(value)
-        return max(0.0, when.timestamp() - now_wall)
-    return None

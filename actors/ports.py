@@ -15,7 +15,7 @@ a module-level class is pickled by reference and the worker imports its module a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,6 +33,7 @@ __all__ = [
     "RelayClaim",
     "RelayDelivery",
     "RelayStream",
+    "SupervisionStore",
     "TimerStore",
     "VerifiedControl",
 ]
@@ -70,6 +71,7 @@ class VerifiedControl:
     envelope: ControlEnvelope
     signers: tuple[str, ...]
     roles: frozenset[str]
+    signer_roles: Mapping[str, frozenset[str]] = field(default_factory=dict)  # each signer's own roles
 
 
 class ControlVerifier(Protocol):
@@ -216,6 +218,24 @@ class AuditSink(Protocol):
     async def close(self) -> None: ...
 
 
+# --------------------------------------------------------------------------- supervision (issue 12)
+
+
+class SupervisionStore(Protocol):
+    """The cross-trajectory views supervision writes and the dispatch boundary reads: the escalation
+    registry, the incident store and the quarantine (``cluster.supervision_store``)."""
+
+    async def publish_escalation(self, escalation: Mapping[str, Any]) -> None: ...
+
+    async def open_incident(self, incident: Mapping[str, Any], artifacts: Sequence[str]) -> None: ...
+
+    async def quarantined(self, values: Sequence[str]) -> dict[str, str]:
+        """The ``values`` that are quarantined artifacts, each with the incident that holds it."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 # --------------------------------------------------------------------------- the composition root
 
 
@@ -245,4 +265,8 @@ class ClusterPorts(Protocol):
 
     def timer_store(self, redis_url: str) -> TimerStore:
         """The durable timer store (``tether:timers``)."""
+        ...
+
+    def supervision_store(self, redis_url: str) -> SupervisionStore:
+        """Escalations, incidents and the quarantine (issue 12)."""
         ...

@@ -8,13 +8,16 @@ harness's ``on_event`` hook only marks the latest snapshot dirty, and one writer
 
 Snapshot hash ``tether:status:<id>`` fields: ``state``, ``turns``, ``rho``, ``binding_dimension``,
 ``exit_reason``, ``tokens``, ``dollars``, ``hibernated`` (``0``/``1``), ``held_digest``, ``held_tool``,
-``held_expires_at`` (only while AWAITING_APPROVAL), ``pid``, ``updated_at`` (epoch seconds).
+``held_expires_at`` (only while AWAITING_APPROVAL), ``pid``, ``updated_at`` (epoch seconds); issue 12:
+``hold`` (watchdog, control, incident or empty), ``hold_reason``, ``hold_incidents`` (comma list),
+``rung``, ``escalations_open``, ``parent_id``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from typing import Any
@@ -24,7 +27,24 @@ import redis.asyncio as aioredis
 from actors.ports import LiveEventSink
 from runtime.budget import Dimension
 from runtime.clock import Clock
-from runtime.events import Event, ModelCallSettled, StateChanged, ToolCallHeld
+from runtime.degradation import result_of
+from runtime.events import (
+    ChildSettled,
+    ChildSpawned,
+    EscalationAcknowledged,
+    EscalationOpened,
+    EscalationResolved,
+    Event,
+    HoldPlaced,
+    HoldReleased,
+    ModelCallSettled,
+    ObligationUpdated,
+    OperationSettled,
+    OperatorActed,
+    RungChanged,
+    StateChanged,
+    ToolCallHeld,
+)
 from runtime.memstore import check_trajectory_id
 from runtime.record import TrajectoryRecord
 from runtime.states import TrajectoryState
@@ -41,7 +61,23 @@ STATUS_KEY_PREFIX = "tether:status:"
 _log = logging.getLogger(__name__)
 
 # Events that change what the snapshot shows; everything else is not worth a write.
-_SHOWN = (StateChanged, ToolCallHeld, ModelCallSettled)
+_SHOWN = (
+    StateChanged,
+    ToolCallHeld,
+    ModelCallSettled,
+    OperationSettled,
+    ObligationUpdated,
+    OperatorActed,
+    # issue 12: holds, rungs, escalations and children show in the snapshot too
+    HoldPlaced,
+    HoldReleased,
+    RungChanged,
+    EscalationOpened,
+    EscalationAcknowledged,
+    EscalationResolved,
+    ChildSpawned,
+    ChildSettled,
+)
 
 
 def status_key(trajectory_id: str) -> str:
@@ -61,13 +97,65 @@ def summarize(record: TrajectoryRecord, hibernated: bool = False) -> dict[str, A
         "binding_dimension": record.binding_dimension,
         "rho": round(record.rho, 4),
         "hibernated": hibernated,
+        # issue 12: the rung and machine-readable completeness of the result, holds, escalations, children
+        "result": result_of(record),
+        "rung": record.supervision.rung.value,
+        "hold": None if record.hold is None else record.hold.kind.value,
+        "escalations": {e.escalation_id: e.trigger.value for e in record.supervision.escalations.values()},
+        "parent_id": record.parent_id,
+        "children": {
+            c.child_id: {"status": c.status, "verified": c.verified, "spent": dict(c.spent)}
+            for c in record.supervision.children.values()
+        },
+        "spend": record.spend.as_dict(),
     }
+
+
+def owed(record: TrajectoryRecord) -> list[dict[str, Any]]:
+    """What the trajectory still owes the world (``tether obligations``): unknown operations and open or
+    handed-off obligations, each with its target, the evidence so far, its owner and since when."""
+    rows: list[dict[str, Any]] = []
+    for op in record.operations.values():
+        if op.settled or op.cleanup_of is not None:
+            continue
+        awaited = any(p.operation_id == op.operation_id for p in record.pending_calls.values())
+        rows.append(
+            {
+                "id": op.operation_id,
+                "kind": "operation",
+                "tool": op.tool,
+                "target": dict(op.arguments),
+                "state": "in flight" if awaited else "unknown",
+                "evidence": f"{op.attempts} attempt(s), outcome unknown",
+                "owner": op.owner or record.trajectory_id,
+                "since": op.dispatched_at,
+            }
+        )
+    for ob in record.obligations.values():
+        if ob.state.value in ("discharged", "committed"):
+            continue
+        rows.append(
+            {
+                "id": ob.obligation_id,
+                "kind": ob.duty,
+                "tool": ob.tool,
+                "target": dict(ob.arguments),
+                "state": ob.state.value,
+                "evidence": ob.evidence[-1] if ob.evidence else "",
+                "owner": ob.owner,
+                "since": ob.registered_at,
+            }
+        )
+    return rows
 
 
 def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> dict[str, str]:
     """The snapshot hash of ``record`` (all values strings; empty string for "none")."""
     held = record.held if record.state is TrajectoryState.AWAITING_APPROVAL else None
+    owes = owed(record)
     return {
+        "owed": json.dumps(owes, sort_keys=True, default=str) if owes else "",
+        "handoff": "1" if record.handoff is not None else "0",
         "state": record.state.value,
         "turns": str(record.turn_count),
         "rho": f"{record.rho:.4f}",
@@ -81,11 +169,18 @@ def status_fields(record: TrajectoryRecord, *, hibernated: bool, now: float) -> 
         "held_expires_at": f"{held.expires_at:.3f}" if held is not None else "",
         "pid": str(os.getpid()),
         "updated_at": f"{now:.3f}",
+        # issue 12
+        "hold": record.hold.kind.value if record.hold is not None else "",
+        "hold_reason": record.hold.reason[:200] if record.hold is not None else "",
+        "hold_incidents": ",".join(record.hold.incident_ids) if record.hold is not None else "",
+        "rung": record.supervision.rung.value,
+        "escalations_open": str(len(record.supervision.open_escalations())),
+        "parent_id": record.parent_id or "",
     }
 
 
 class StatusPublisher:
-    """Coalescing writer of one trajectory's snapshot and live events (a ``HarnessHooks.on_event`` sink)."""
+    """Coalescing writer of one trajectory's snapshot and live events (a ``TrajectoryHooks`` event sink)."""
 
     def __init__(
         self, client: aioredis.Redis, events: LiveEventSink, trajectory_id: str, clock: Clock

@@ -98,8 +98,10 @@ class LocalToolPort:
                 OutcomeClass.CLIENT_REJECTION,
                 error=f"no local tool {invocation.tool!r}",
             )
+        model = tool.contract.arguments
+        assert isinstance(model, type), "built-in tools declare pydantic arguments"
         try:
-            args = tool.contract.arguments.model_validate(dict(invocation.arguments))
+            args = model.model_validate(dict(invocation.arguments))
         except ValidationError as e:
             return ToolOutcome(Settlement.ESTABLISHED_ABSENT, OutcomeClass.CLIENT_REJECTION, error=str(e))
         task = asyncio.ensure_future(_call(tool.function, args))
@@ -190,6 +192,10 @@ class RunCommandArgs(BaseModel):
     )
 
 
+class CommandInterrupted(Exception):
+    """``run_command``'s process was killed from outside while it ran: its effect is unknown."""
+
+
 class CommandRefused(InputError):
     """``run_command`` ran nothing: no sandbox, no command, or the sandbox was killed or cannot isolate."""
 
@@ -251,6 +257,9 @@ class SandboxCommand:
             raise
         except PolicyRefusal as e:  # SandboxClosed (killed), IsolationUnavailable: nothing started
             raise CommandRefused(str(e), where="run_command") from e
+        if result.killed and not result.timed_out:
+            # torn down from outside (a trajectory kill): what the command did before it died is unknown
+            raise CommandInterrupted(f"{argv[0]!r} was killed before it finished (exit {result.exit_code})")
         tail = self.output_chars
         return {
             "argv": list(argv),

@@ -1,53 +1,61 @@
-"""The trajectory actor: one async Ray actor per trajectory, a thin shell over ``runtime.harness.Harness``.
+"""The trajectory actor: one async Ray actor per trajectory, a thin shell over ``actors.interpreter``.
 
-ARCHITECTURE.md, "One turn, end to end" runs inside the harness; this shell only builds its ports from the
-launch record (``actors.wiring``), creates or recovers the record from the durable log, runs the loop, and
-receives control messages.
+The trajectory's rules are ``runtime.decide``; the interpreter carries out its decisions. This shell only
+builds the ports from the launch record (``actors.wiring``), creates or recovers the record from the durable
+log, lets the interpreter run, and receives control messages and durable timers.
 
 - Named ``traj:<id>`` in namespace ``tether``, ``num_cpus=0`` (waiting on a model or a tool is not compute),
   ``{"tether_trajectory": 1}`` when the cluster defines that resource (so the autoscaler can size nodes).
 - Restarts are unlimited and calls in flight are retried on the new incarnation: after its worker process
   dies (SIGKILL, node loss) the actor is rebuilt from the same launch, folds its log and continues. Budgets,
   spend, turn count and pending approvals carry over; an operation whose intent was logged but whose result
-  was not is *unknown* and is not re-dispatched unless its repeat contract allows it (the harness decides).
+  was not is *unknown* and is not re-dispatched unless its repeat contract allows it (the decider decides).
 - ``deliver`` verifies a signed control message (signature, role, validity window, replay against the
   record's seen ids and ``tether:nonces:<id>``) before the harness records it; a refusal with a new message
   id is audited in the trajectory's log (``ControlRejected``).
-- Hibernation: when the harness returns from a long wait (approval, pause) the actor closes its ports, marks
-  its status ``hibernated=1`` and exits for good; ``ensure_actor(load_launch(...))`` brings it back.
-- Kill: the harness's ``on_kill`` hook tears the trajectory's sandbox process groups down at once.
+- Timers: durable timers (the deadline, an approval's expiry) are stored in the cluster's timer store; its
+  service calls ``fire_timer`` on whichever incarnation exists (re-creating a hibernated one first).
+- Hibernation: when the decider asks for it during a long wait (approval, pause) the actor closes its
+  ports, marks its status ``hibernated=1`` and exits for good; ``ensure_actor(load_launch(...))`` brings it
+  back on the next signal or timer.
+- Kill: the ``on_kill`` hook tears the trajectory's sandbox process groups down at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import ray
 import redis.asyncio as aioredis
 
+from actors.children import RayChildren
+from actors.interpreter import Interpreter, RunOutcome
 from actors.launch import TrajectoryLaunch, load_launch, save_launch
 from actors.metrics_ray import RayBackend
 from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier
+from actors.quarantine import QuarantineGate
 from actors.sandbox import Sandbox
 from actors.status import StatusPublisher, summarize
 from actors.tools_local import LOCAL_SCOPE
-from actors.wiring import BuiltPorts, SplitGuard, build_config, build_created, build_ports, build_registry
+from actors.wiring import BuiltPorts, SplitGuard, build_created, build_policy, build_ports, build_registry
 from breakers.inprocess import InProcessGuard
 from runtime.clock import SystemClock
 from runtime.dispatch import NoGuard
 from runtime.errors import CodecError, ControlError, InputError
 from runtime.events import Event
-from runtime.harness import Harness, RunOutcome
+from runtime.inputs import ControlReceived, ControlRefused
 from runtime.memstore import check_trajectory_id
 from runtime.metrics import Metrics
 from runtime.observe import HookChain, MetricsHooks
 from runtime.ports import AdmissionPort, GuardPort
-from runtime.record import ControlAction, TrajectoryRecord
+from runtime.record import ControlAction, Lease, LeaseKind, TrajectoryRecord
 
 __all__ = [
     "NAMESPACE",
@@ -74,7 +82,7 @@ def actor_name(trajectory_id: str) -> str:
 
 
 class _Hooks:
-    """Harness hooks: the status view on every event, the sandbox teardown on kill."""
+    """Interpreter hooks: the status view on every event, the sandbox teardown on kill."""
 
     def __init__(self, status: StatusPublisher, sandbox: Sandbox | None) -> None:
         self.status = status
@@ -86,6 +94,21 @@ class _Hooks:
     async def on_kill(self, record: TrajectoryRecord) -> None:
         if self.sandbox is not None:
             await self.sandbox.kill_all()
+
+
+class _SandboxLeases:
+    """The trajectory's leases as the world holds them: the workspace lease is its sandbox (every process
+    group killed, the workspace directory removed); a credential lease has nothing to tear down here."""
+
+    def __init__(self, sandbox: Sandbox | None) -> None:
+        self.sandbox = sandbox
+
+    async def release(self, lease: Lease) -> None:
+        if lease.kind is not LeaseKind.WORKSPACE or self.sandbox is None:
+            return
+        await self.sandbox.kill_all()
+        workspace = self.sandbox.workspace
+        await asyncio.to_thread(shutil.rmtree, workspace, True)
 
 
 class TrajectoryActor:
@@ -104,7 +127,7 @@ class TrajectoryActor:
         self._sandbox: Sandbox | None = None
         self._clock = SystemClock()
         self._start_lock = asyncio.Lock()
-        self._harness: Harness | None = None
+        self._harness: Interpreter | None = None
         self._built: BuiltPorts | None = None
         self._redis: aioredis.Redis | None = None
         self._status: StatusPublisher | None = None
@@ -163,7 +186,9 @@ class TrajectoryActor:
         finally:
             del self._inflight[msg.message_id]
 
-    async def _deliver_new(self, harness: Harness, verifier: ControlVerifier, msg: ControlEnvelope) -> str:
+    async def _deliver_new(
+        self, harness: Interpreter, verifier: ControlVerifier, msg: ControlEnvelope
+    ) -> str:
         if msg.trajectory_id != self.launch.trajectory_id:
             await self._audit(harness, msg, "WRONG_TRAJECTORY", f"addressed to {msg.trajectory_id}")
             return "rejected:WRONG_TRAJECTORY"
@@ -182,7 +207,9 @@ class TrajectoryActor:
         if action in (ControlAction.APPROVE, ControlAction.DENY):
             # the approval gate reads payload["call_digest"] itself and counts distinct signers
             payload["issuers"] = list(verified.signers)
-        answer = await harness.deliver_control(msg.message_id, action, msg.issuer, msg.reason, payload)
+        signer_roles = dict(verified.signer_roles) or {name: verified.roles for name in verified.signers}
+        received = ControlReceived(msg.message_id, action, msg.issuer, msg.reason, payload, signer_roles)
+        answer = await harness.deliver(received)
         if answer == "rejected":
             return "rejected:TRAJECTORY_TERMINAL"
         if answer == "recorded":
@@ -199,6 +226,7 @@ class TrajectoryActor:
         held = rec.held
         return {
             **summarize(rec, hibernated=self._exiting),
+            "hold": None if rec.hold is None else rec.hold.kind.value,
             "pending_control": [p.action.value for p in rec.pending_control],
             "held": None
             if held is None
@@ -207,6 +235,29 @@ class TrajectoryActor:
             # process groups of sandboxed commands running now (kill tears them down)
             "sandbox_groups": sorted(self._sandbox.live_process_groups) if self._sandbox else [],
         }
+
+    async def fire_timer(self, timer_id: str) -> str:
+        """A durable timer delivered by the cluster's timer service: "fired", "not_due" or "unknown"."""
+        if self._exiting:
+            raise RuntimeError(f"{actor_name(self.launch.trajectory_id)} is hibernating; deliver again")
+        interpreter = await self._started()
+        answer = await interpreter.fire_timer(timer_id)
+        self._ensure_running()  # a woken actor runs on from here
+        return answer
+
+    async def cascade(self, kill: bool, parent_id: str, reason: str) -> str:
+        """Cancel or kill cascaded from this trajectory's parent (issue 12): an in-cluster call from the
+        parent's actor, recorded like a control message from ``parent:<id>`` (idempotent by its id)."""
+        if self._exiting:
+            raise RuntimeError(f"{actor_name(self.launch.trajectory_id)} is hibernating; deliver again")
+        if parent_id != self.launch.parent_id:
+            return "rejected:NOT_PARENT"
+        harness = await self._started()
+        action = ControlAction.KILL if kill else ControlAction.CANCEL
+        message_id = f"cascade-{action.value}-{parent_id}"
+        answer = await harness.deliver(ControlReceived(message_id, action, f"parent:{parent_id}", reason))
+        self._ensure_running()
+        return "rejected:TRAJECTORY_TERMINAL" if answer == "rejected" else answer
 
     def pid(self) -> int:
         """The worker process id (fault tests kill it)."""
@@ -236,11 +287,12 @@ class TrajectoryActor:
             self._verifier = self._adapters.control_verifier(self.launch.keyring_path)
         return self._verifier
 
-    async def _audit(self, harness: Harness, msg: ControlEnvelope, reason: str, detail: str) -> None:
-        if await harness.reject_control(msg.message_id, reason, detail[:500]) and self._status is not None:
+    async def _audit(self, harness: Interpreter, msg: ControlEnvelope, reason: str, detail: str) -> None:
+        answer = await harness.deliver(ControlRefused(msg.message_id, reason, detail[:500]))
+        if answer == "rejected" and self._status is not None:
             self._status.show(harness.record)
 
-    async def _started(self) -> Harness:
+    async def _started(self) -> Interpreter:
         """Build the ports and create (or fold) the record, once per incarnation."""
         if self._harness is not None:
             return self._harness
@@ -251,6 +303,7 @@ class TrajectoryActor:
             registry = build_registry(launch)
             guard = self._guard()
             sandbox = self._sandbox = self._make_sandbox()
+            timers = self._adapters.timer_store(launch.redis_url)
             self._built = build_ports(
                 launch,
                 self._clock,
@@ -258,20 +311,36 @@ class TrajectoryActor:
                 guard=guard,
                 logs=self._adapters,
                 sandbox=sandbox,
+                timers=timers,
             )
+            self._built.closers.append(timers.close)
+            self._built.ports.leases = _SandboxLeases(sandbox)
+            self._supervise(self._built)
             events = self._adapters.live_events(launch.redis_url)
             self._status = StatusPublisher(self._client(), events, launch.trajectory_id, self._clock)
-            harness = Harness(
+            policy = build_policy(launch, registry)
+            if sandbox is not None:
+                policy = dataclasses.replace(policy, workspace=str(sandbox.workspace))
+            harness = Interpreter(
                 launch.trajectory_id,
+                policy,
                 self._built.ports,
-                registry,
-                build_config(launch),
                 HookChain(_Hooks(self._status, sandbox), MetricsHooks(Metrics(RayBackend()), self._clock)),
             )
             await harness.create(build_created(launch, registry))
             self._status.show(harness.record)
             self._harness = harness
             return harness
+
+    def _supervise(self, built: BuiltPorts) -> None:
+        """Issue 12: escalations and incidents go to the cluster's registries; every tool call passes the
+        quarantine at the dispatch boundary; delegated calls become child trajectories."""
+        store = self._adapters.supervision_store(self.launch.redis_url)
+        built.closers.append(store.close)
+        ports = built.ports
+        ports.tools = QuarantineGate(ports.tools, store)
+        ports.supervision = store
+        ports.children = RayChildren(self.launch, self._adapters, ports.log)
 
     def _make_sandbox(self) -> Sandbox | None:
         """The trajectory's process sandbox, when the launch names a workspace root. A sandbox that cannot

@@ -1,10 +1,10 @@
-"""Building a trajectory's harness from its launch record: the record's creation event, the harness
-config, the tool registry, and the ports (log, model, tools, admission, guard, retry owner).
+"""Building a trajectory's interpreter from its launch record: the record's creation event, the policy
+(``runtime.policy.TrajectoryPolicy``), the tool registry, and the ports (log, model, tools, admission,
+guard, timers).
 
 Also here, because only the wiring needs them:
 
 - ``testbed_contracts()`` (from ``actors.contracts``): the client-side contracts of the testbed tools;
-- ``RetryOwnerPort``: ``runtime.dispatch.RetryPort`` over ``breakers.RetryOwner``, the single retry owner;
 - ``RoutedToolPort``: one ``ToolPort`` over several (gRPC services and in-process tools), by tool name.
 
 Nothing here touches Ray except ``build_ports``, which looks up the named scheduler actor and creates
@@ -15,111 +15,52 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import uuid
+import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from actors.contracts import testbed_contracts
+from actors.interpreter import InterpreterPorts, TimerPort
 from actors.launch import TrajectoryLaunch
 from actors.model_openai import OpenAIModel
 from actors.ports import ClosableLogStore
+from actors.provider_tally import RedisProviderTally
 from actors.sandbox import Sandbox
 from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
-from breakers.retry import AttemptResult, RetryAction, RetryDecision, RetryOwner, RetryPolicy
+from actors.tools_mcp.port import McpToolPort
 from runtime.clock import Clock
-from runtime.dispatch import NoGuard, RetryVerdict, Verdict
+from runtime.deadline import FinalizationReserve
+from runtime.dispatch import NoGuard
 from runtime.errors import InputError
 from runtime.events import TrajectoryCreated
-from runtime.harness import HarnessConfig, HarnessPorts
+from runtime.policy import TrajectoryPolicy
 from runtime.ports import (
     AdmissionPort,
     GuardPermit,
     GuardPort,
     OutcomeClass,
     ProbeResult,
-    Settlement,
     ToolInvocation,
     ToolOutcome,
     ToolPort,
 )
 from runtime.record import CallLimits, CompletionCheck, Grants, TaskContract
-from runtime.tools import RepeatContract, SideEffect, ToolRegistry, UnknownTool
+from runtime.retry import RetryPolicy
+from runtime.tools import SideEffect, ToolRegistry, UnknownTool
 
 __all__ = [
     "BuiltPorts",
     "LogStoreFactory",
-    "RetryOwnerPort",
     "RoutedToolPort",
     "SplitGuard",
-    "build_config",
     "build_created",
+    "build_policy",
     "build_ports",
     "build_registry",
     "testbed_contracts",
 ]
-
-
-# --------------------------------------------------------------------------- the single retry owner
-
-
-_VERDICTS: Mapping[RetryAction, Verdict] = {
-    RetryAction.DONE: Verdict.DONE,
-    RetryAction.RETRY: Verdict.RETRY,
-    RetryAction.PROBE: Verdict.PROBE,
-    RetryAction.LEAVE_UNKNOWN: Verdict.LEAVE_UNKNOWN,
-    RetryAction.GIVE_UP: Verdict.GIVE_UP,
-}
-
-
-def _verdict(decision: RetryDecision) -> RetryVerdict:
-    return RetryVerdict(_VERDICTS[decision.action], decision.reason, decision.delay_s)
-
-
-class RetryOwnerPort:
-    """``RetryPort`` over ``breakers.RetryOwner``: one attempt budget per logical operation.
-
-    Attempt ids are unique across actor incarnations (a restarted actor starts with fresh budgets, and
-    the log refuses a reused attempt id), so they carry a random suffix besides the attempt index.
-    """
-
-    def __init__(self, owner: RetryOwner) -> None:
-        self.owner = owner
-
-    def begin(self, operation_id: str, repeat: RepeatContract, deadline: float) -> None:
-        self.owner.begin(operation_id, repeat, deadline)
-
-    def next_attempt(self, operation_id: str) -> str:
-        budget = self.owner.budget(operation_id)
-        attempt = budget.next_attempt()
-        budget.charge(attempt)  # raises AttemptBudgetExhausted (a PolicyRefusal) when none is left
-        return attempt.attempt_id
-
-    def decide(self, operation_id: str, outcome: ToolOutcome) -> RetryVerdict:
-        return _verdict(self.owner.decide(operation_id, AttemptResult.from_outcome(outcome)))
-
-    def after_probe(self, operation_id: str, settlement: Settlement) -> RetryVerdict:
-        return _verdict(self.owner.after_probe(operation_id, settlement))
-
-    def forget(self, operation_id: str) -> None:
-        self.owner.forget(operation_id)
-
-
-def retry_owner(launch: TrajectoryLaunch, clock: Clock) -> RetryOwnerPort:
-    policy = RetryPolicy(
-        max_attempts=launch.retry.max_attempts,
-        base_backoff_s=launch.retry.base_backoff_s,
-        max_backoff_s=max(launch.retry.max_backoff_s, launch.retry.base_backoff_s),
-    )
-    counter = iter(range(1, 1 << 62))
-
-    def attempt_id() -> str:
-        return f"a{next(counter)}-{uuid.uuid4().hex[:8]}"
-
-    owner = RetryOwner(launch.trajectory_id, policy, clock, random.Random(), new_attempt_id=attempt_id)
-    return RetryOwnerPort(owner)
 
 
 # --------------------------------------------------------------------------- tools by route
@@ -173,24 +114,44 @@ class SplitGuard:
 
 
 def build_registry(launch: TrajectoryLaunch) -> ToolRegistry:
-    """Contracts of every tool the launch routes: testbed/gRPC tools by name, built-ins by name."""
+    """Contracts of every tool the launch routes: a contract the launch carries (declared in the workload for
+    a gRPC service or an MCP tool) first, else the testbed's built-in contract by name; built-ins by name.
+    Compensation references are checked (every compensation names a routed tool with those arguments)."""
     known = {c.name: c for c in testbed_contracts()}
     builtins = builtin_tools()
     registry = ToolRegistry()
-    for name in sorted(launch.tool_routes):
-        if name not in known:
+    where = f"launch[{launch.trajectory_id}]"
+    for name in sorted({*launch.tool_routes, *launch.mcp_tools}):
+        declared = launch.tool_contracts.get(name)
+        if declared is not None:
+            registry.register(declared.build(name))
+        elif name in known and name in launch.tool_routes:
+            registry.register(known[name])
+        else:
             raise InputError(
-                f"no contract for gRPC tool {name!r}; known: {', '.join(sorted(known))}",
-                where=f"launch[{launch.trajectory_id}].tool_routes",
+                f"no contract for {'gRPC' if name in launch.tool_routes else 'MCP'} tool {name!r}; "
+                "declare it in the workload "
+                f"(built in: {', '.join(sorted(known))})",
+                where=f"{where}.tool_contracts",
             )
-        registry.register(known[name])
+    delegation = launch.supervision.delegation if launch.supervision is not None else None
+    if delegation is not None:  # issue 12: calls to the delegation tool spawn child trajectories
+        from actors.supervision_config import delegate_contract
+
+        if delegation.tool in registry:
+            raise InputError(
+                f"the delegation tool {delegation.tool!r} is also a routed tool",
+                where=f"{where}.supervision.delegation.tool",
+            )
+        registry.register(delegate_contract(delegation.tool))
     for name in sorted(launch.local_tools):
         if name not in builtins:
             raise InputError(
                 f"no built-in tool {name!r}; known: {', '.join(sorted(builtins))}",
-                where=f"launch[{launch.trajectory_id}].local_tools",
+                where=f"{where}.local_tools",
             )
         registry.register(builtins[name].contract)
+    registry.check_references()
     return registry
 
 
@@ -206,7 +167,7 @@ def build_created(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajector
     read_only = frozenset(n for n in granted if registry.get(n).side_effect is SideEffect.READ_ONLY)
     return TrajectoryCreated(
         trajectory_id=launch.trajectory_id,
-        parent_id=None,
+        parent_id=launch.parent_id,
         tenant=launch.tenant,
         contract=TaskContract(
             launch.goal, CompletionCheck(launch.completion_check.name, dict(launch.completion_check.params))
@@ -225,18 +186,32 @@ def build_created(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajector
     )
 
 
-def build_config(launch: TrajectoryLaunch) -> HarnessConfig:
-    """Per-trajectory harness policy from the launch."""
-    return HarnessConfig(
+def build_policy(launch: TrajectoryLaunch, registry: ToolRegistry) -> TrajectoryPolicy:
+    """The trajectory's policy from its launch: the same for every incarnation (the seed of the decider's
+    jitter is derived from the trajectory id with a stable hash, never Python's per-process ``hash``)."""
+    supervision = launch.supervision
+    extra: dict[str, Any] = {}
+    if supervision is not None:  # issue 12
+        extra = {"supervision": supervision.build(launch.depth), "watchdog": supervision.call_watchdog()}
+    return TrajectoryPolicy(
+        registry=registry,
         provider_key=launch.provider.provider_key,
         prices=launch.provider.prices(),
         tool_timeout_s=launch.tool_timeout_s,
+        probe_timeout_s=launch.tool_timeout_s,
         approval_timeout_s=launch.approval_timeout_s,
         approval_quorum=launch.approval_quorum,
+        retry=RetryPolicy(
+            max_attempts=launch.retry.max_attempts,
+            base_backoff_s=launch.retry.base_backoff_s,
+            max_backoff_s=max(launch.retry.max_backoff_s, launch.retry.base_backoff_s),
+        ),
         metadata=dict(launch.metadata),
         system_prompt=launch.system_prompt,
         idle_hibernate_s=launch.hibernate_after_s,
-        rng_seed=hash(launch.trajectory_id) & 0xFFFF_FFFF,
+        rng_seed=zlib.crc32(launch.trajectory_id.encode()),
+        reserve=FinalizationReserve(seconds=launch.reserve_s),
+        **extra,
     )
 
 
@@ -248,9 +223,9 @@ Closer = Callable[[], Awaitable[None]]
 
 @dataclass
 class BuiltPorts:
-    """The harness ports plus what must be closed when the actor goes away."""
+    """The interpreter's ports plus what must be closed when the actor goes away."""
 
-    ports: HarnessPorts
+    ports: InterpreterPorts
     local_tools: LocalToolPort | None
     closers: list[Closer] = field(default_factory=list)
 
@@ -258,6 +233,18 @@ class BuiltPorts:
         for closer in reversed(self.closers):
             with contextlib.suppress(Exception):  # best effort: the process may be exiting
                 await closer()
+
+
+def _mcp_port(launch: TrajectoryLaunch, clock: Clock) -> McpToolPort:
+    """The MCP tools' port: calls go to each server's host actor (``actors.tools_mcp.host``), so a server's
+    session, and a stdio server's process, outlive this trajectory's actor (``mcp_placement: trajectory``:
+    this actor holds its own sessions instead)."""
+    from actors.tools_mcp.host import InProcessMcpHosts, McpHosts, RayMcpHosts
+
+    servers = {route.server for route in launch.mcp_tools.values()}
+    configs = {name: launch.mcp_servers[name] for name in sorted(servers)}
+    hosts: McpHosts = RayMcpHosts(configs) if launch.mcp_placement == "host" else InProcessMcpHosts(configs)
+    return McpToolPort(launch.mcp_tools, hosts, clock)
 
 
 class LogStoreFactory(Protocol):
@@ -275,19 +262,23 @@ def build_ports(
     guard: GuardPort | None = None,
     env: Mapping[str, str] | None = None,
     sandbox: Sandbox | None = None,
+    timers: TimerPort | None = None,
 ) -> BuiltPorts:
-    """Log store, model, tools and retry owner for ``launch``; admission and guard are chosen by the caller
-    (the actor knows whether a scheduler actor exists and whether it runs inside Ray), the log store comes
-    from ``logs`` (the cluster layer, injected); ``sandbox`` is the trajectory's process sandbox, where
+    """Log store, model and tools for ``launch``; admission, guard and the timer store are chosen by the
+    caller (the actor knows whether a scheduler actor exists and whether it runs inside Ray), the log store
+    comes from ``logs`` (the cluster layer, injected); ``sandbox`` is the trajectory's process sandbox, where
     ``run_command`` runs."""
     env = os.environ if env is None else env
     closers: list[Closer] = []
     log = logs.open_log(launch.redis_url)
     closers.append(log.close)
+    tally = RedisProviderTally.from_url(launch.redis_url)  # what this adapter saw, per status, for the report
+    closers.append(tally.aclose)
     model = OpenAIModel(
         base_url=launch.provider.base_url,
         api_key=env.get(launch.provider.api_key_env) or "tether-unused",
         clock=clock,
+        observer=tally,
     )
     closers.append(model.aclose)
     routes: dict[str, ToolPort] = {}
@@ -296,6 +287,10 @@ def build_ports(
         grpc_port = GrpcToolPort(launch.tool_routes, clock=clock)
         closers.append(grpc_port.close)
         routes.update(dict.fromkeys(launch.tool_routes, grpc_port))
+    if launch.mcp_tools:
+        mcp_port = _mcp_port(launch, clock)
+        closers.append(mcp_port.close)
+        routes.update(dict.fromkeys(launch.mcp_tools, mcp_port))
     if launch.local_tools:
         builtins = builtin_tools(
             sandbox,
@@ -304,13 +299,13 @@ def build_ports(
         )
         local = LocalToolPort(builtins[n] for n in launch.local_tools)
         routes.update(dict.fromkeys(launch.local_tools, local))
-    ports = HarnessPorts(
+    ports = InterpreterPorts(
         model=model,
         tools=RoutedToolPort(routes),
         log=log,
         admission=admission,
         clock=clock,
         guard=guard or NoGuard(),
-        retry=retry_owner(launch, clock),
+        timers=timers,
     )
     return BuiltPorts(ports, local, closers)

@@ -1,6 +1,7 @@
-"""What one turn costs the runtime: the harness's own per-turn cost against the floor it is built on.
+"""What one turn costs the runtime: the trajectory's own per-turn cost against the floor it is built on.
 
-A trajectory actor-shaped Ray actor runs a real ``Harness`` with a zero-latency model (a tool call per
+A trajectory actor-shaped Ray actor runs the real decider and its interpreter (``runtime.decide`` through
+``actors.interpreter.Interpreter``) with a zero-latency model (a tool call per
 turn, answered in-process) and a no-op in-process tool, so everything measured is the runtime itself:
 admission through the scheduler actor (admit + settle: two actor round trips), the durable log on a real
 ``redis-server`` with ``appendfsync always`` (every event acknowledged on disk before it takes effect),
@@ -30,6 +31,7 @@ import ray
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
+from actors.interpreter import Interpreter, InterpreterPorts
 from actors.status import StatusPublisher
 from actors.tools_local import LOCAL_SCOPE, LocalTool, LocalToolPort
 from benchmarks._common import environment, percentile, summarize_ms, write_json, write_plot
@@ -40,7 +42,7 @@ from cluster.redis_server import RedisServer
 from runtime.budget import PriceTable
 from runtime.clock import SystemClock
 from runtime.events import Event, TrajectoryCreated, TurnStarted
-from runtime.harness import Harness, HarnessConfig, HarnessPorts
+from runtime.policy import TrajectoryPolicy
 from runtime.ports import (
     CancelToken,
     ModelReply,
@@ -270,9 +272,11 @@ class BenchTrajectory:
         # the production shell's status view rides along (its writes are off the turn's path, on its loop)
         client = aioredis.Redis.from_url(self.redis_url)
         status = StatusPublisher(client, LiveEvents(ControlStream(client)), trajectory_id, clock)
-        ports = HarnessPorts(model=model, tools=tools, log=log, admission=admission, clock=clock)
-        config = HarnessConfig(provider_key=PROVIDER_KEY, prices=PriceTable(3.0, 0.3, 15.0))
-        harness = Harness(trajectory_id, ports, registry, config, _Both(probe, status))
+        ports = InterpreterPorts(model=model, tools=tools, log=log, admission=admission, clock=clock)
+        policy = TrajectoryPolicy(
+            registry=registry, provider_key=PROVIDER_KEY, prices=PriceTable(3.0, 0.3, 15.0)
+        )
+        harness = Interpreter(trajectory_id, policy, ports, _Both(probe, status))
         now = clock.wall()
         await harness.create(
             TrajectoryCreated(
@@ -290,6 +294,7 @@ class BenchTrajectory:
             )
         )
         outcome = await harness.run()
+        await harness.close()
         await status.flush()
         await status.close()
         await client.aclose()

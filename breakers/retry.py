@@ -22,13 +22,12 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import StrEnum
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.clock import Clock
 from runtime.errors import DependencyError, PolicyRefusal
 from runtime.ports import OutcomeClass, Settlement, ToolOutcome
+from runtime.retry import RetryAction, RetryPolicy, after_probe, backoff_ceiling, decide_retry, full_jitter
+from runtime.retry import RetryDecision as PureDecision
 from runtime.tools import RepeatContract
 
 from .errors import AttemptBudgetExhausted
@@ -47,52 +46,12 @@ __all__ = [
     "full_jitter_delay",
 ]
 
-_RETRY_SAFE_WHEN_UNKNOWN = frozenset({RepeatContract.IDEMPOTENT, RepeatContract.DEDUPLICATED})
-
-
-class RetryPolicy(BaseModel):
-    """The one attempt budget and backoff shape of a logical operation."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_attempts: int = Field(3, ge=1, description="attempts in total across all layers (first try included)")
-    base_backoff_s: float = Field(0.5, gt=0.0, description="ceiling of the first retry's jitter span")
-    max_backoff_s: float = Field(30.0, gt=0.0, description="cap on any one retry's jitter span")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> RetryPolicy:
-        if self.max_backoff_s < self.base_backoff_s:
-            raise ValueError(
-                f"max_backoff_s ({self.max_backoff_s}) is below base_backoff_s ({self.base_backoff_s})"
-            )
-        return self
-
-
-def backoff_ceiling(policy: RetryPolicy, retry_index: int) -> float:
-    """Equation 8's ``min(cap, base * 2**j)``; ``retry_index`` 0 is the first retry."""
-    if retry_index < 0:
-        raise ValueError(f"retry_index must be >= 0, got {retry_index}")
-    # Guard the power against overflow for absurd indexes: past the cap it no longer matters.
-    exponent = min(retry_index, 1023)
-    return min(policy.max_backoff_s, policy.base_backoff_s * 2.0**exponent)
-
 
 def full_jitter_delay(
     policy: RetryPolicy, retry_index: int, rng: random.Random, retry_after: float | None = None
 ) -> float:
     """Full jitter: uniform on ``[0, ceiling]``, then raised to ``retry_after`` when the server asked."""
-    drawn = rng.uniform(0.0, backoff_ceiling(policy, retry_index))
-    return max(drawn, retry_after) if retry_after is not None and retry_after > 0 else drawn
-
-
-class RetryAction(StrEnum):
-    """What the owner decided after an attempt."""
-
-    DONE = "done"  # the operation settled established
-    RETRY = "retry"  # send another attempt after ``delay_s`` (it passes admission again)
-    PROBE = "probe"  # ask the endpoint what happened before deciding (probe-then-retry)
-    LEAVE_UNKNOWN = "leave_unknown"  # the effect stays unknown, owned by ``owner``; never guessed
-    GIVE_UP = "give_up"  # settled absent or rejected: no further attempt
+    return full_jitter(policy, retry_index, rng.random(), retry_after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +102,11 @@ class RetryDecision:
     reason: str
     delay_s: float = 0.0
     owner: str | None = None  # set for LEAVE_UNKNOWN: who keeps the unknown outcome
+
+    @classmethod
+    def of(cls, pure: PureDecision, owner: str) -> RetryDecision:
+        leave = pure.action is RetryAction.LEAVE_UNKNOWN
+        return cls(pure.action, pure.reason, pure.delay_s, owner if leave else None)
 
 
 class OperationBudget:
@@ -247,38 +211,37 @@ class RetryOwner:
     # ------------------------------------------------------------------ pure decisions
 
     def decide(self, operation_id: str, result: AttemptResult) -> RetryDecision:
-        """What to do after an attempt of ``operation_id`` ended with ``result``."""
+        """What to do after an attempt of ``operation_id`` ended with ``result`` (``runtime.retry``)."""
         budget = self.budget(operation_id)
-        if result.settlement is Settlement.ESTABLISHED and result.outcome_class is OutcomeClass.SUCCESS:
-            return RetryDecision(RetryAction.DONE, "established")
-        if result.outcome_class is OutcomeClass.CLIENT_REJECTION:
-            return RetryDecision(RetryAction.GIVE_UP, "client_rejection: same arguments, same answer")
-        unknown = result.settlement is Settlement.UNKNOWN
-        if result.non_retryable:
-            return self._stop(unknown, "non_retryable")
-        if unknown and budget.contract not in _RETRY_SAFE_WHEN_UNKNOWN:
-            if budget.contract is RepeatContract.PROBE_THEN_RETRY:
-                return RetryDecision(RetryAction.PROBE, "unknown outcome: probe before any repeat")
-            return self._stop(True, f"unknown outcome under {budget.contract.value}: not repeated")
-        return self._schedule(budget, unknown, result.retry_after)
+        pure = decide_retry(
+            contract=budget.contract,
+            policy=budget.policy,
+            attempts_used=budget.used,
+            settlement=result.settlement,
+            outcome_class=result.outcome_class,
+            retry_after=result.retry_after,
+            non_retryable=result.non_retryable,
+            now=self._clock.wall(),
+            deadline=budget.deadline,
+            u=self._rng.random(),
+        )
+        return RetryDecision.of(pure, self.owner)
 
     def after_probe(
         self, operation_id: str, settlement: Settlement, retry_after: float | None = None
     ) -> RetryDecision:
         """Decide from what the endpoint's probe (result recovery) established."""
-        if settlement is Settlement.ESTABLISHED:
-            return RetryDecision(RetryAction.DONE, "established by probe")
-        if settlement is Settlement.UNKNOWN:
-            return self._stop(True, "probe could not settle the outcome")
-        return self._schedule(self.budget(operation_id), False, retry_after)
-
-    def _schedule(self, budget: OperationBudget, unknown: bool, retry_after: float | None) -> RetryDecision:
-        if budget.remaining <= 0:
-            return self._stop(unknown, f"attempt budget of {budget.policy.max_attempts} used")
-        delay = full_jitter_delay(self.policy, budget.used - 1, self._rng, retry_after)
-        if self._clock.wall() + delay >= budget.deadline:
-            return self._stop(unknown, "deadline: no time for another attempt")
-        return RetryDecision(RetryAction.RETRY, "retry", delay_s=delay)
+        budget = self.budget(operation_id)
+        pure = after_probe(
+            policy=budget.policy,
+            attempts_used=budget.used,
+            settlement=settlement,
+            now=self._clock.wall(),
+            deadline=budget.deadline,
+            u=self._rng.random(),
+            retry_after=retry_after,
+        )
+        return RetryDecision.of(pure, self.owner)
 
     def _stop(self, unknown: bool, reason: str) -> RetryDecision:
         if unknown:

@@ -33,6 +33,7 @@ from cluster.embedded import redis_errors
 from cluster.log_store import RedisLogStore
 from cluster.signing import Keyring, Verifier
 from cluster.signing import keyring_path as default_keyring_path
+from cluster.supervision_store import RedisSupervisionStore
 from cluster.timers import RedisTimerStore
 
 __all__ = [
@@ -104,7 +105,12 @@ class KeyringVerifier:
         if not isinstance(message, ControlMessage):
             message = decode_message(envelope.data)
         verified = self._current().verify(message, now, seen)
-        return VerifiedControl(envelope, verified.signers, frozenset(r.value for r in verified.roles))
+        return VerifiedControl(
+            envelope,
+            verified.signers,
+            frozenset(r.value for r in verified.roles),
+            {name: frozenset(r.value for r in roles) for name, roles in verified.signer_roles.items()},
+        )
 
 
 # --------------------------------------------------------------------------- live events
@@ -227,3 +233,6 @@ class ClusterAdapters:
     def audit_sink(self, redis_url: str, maxlen: int) -> RedisAudit:
         client = aioredis.Redis.from_url(redis_url, socket_timeout=self.relay_socket_timeout_s)
         return RedisAudit(client, url=redis_url, maxlen=maxlen)
+
+    def supervision_store(self, redis_url: str) -> RedisSupervisionStore:
+        return RedisSupervisionStore.from_url(redis_url)

@@ -20,7 +20,14 @@ app = typer.Typer(
 )
 
 # Modules that contribute commands; a missing one is skipped so partial checkouts still run.
-_COMMAND_MODULES = ("cluster.cli_run", "cluster.cli_control", "cluster.cli_keys", "cluster.cli_submit")
+_COMMAND_MODULES = (
+    "cluster.cli_run",
+    "cluster.cli_control",
+    "cluster.cli_obligations",
+    "cluster.cli_keys",
+    "cluster.cli_submit",
+    "cluster.cli_supervise",  # issue 12: tether incident, tether escalations
+)
 
 
 def _register_all() -> None:

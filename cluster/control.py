@@ -80,6 +80,12 @@ class ControlAction(StrEnum):
     KILL = "kill"
     APPROVE = "approve"
     DENY = "deny"
+    SETTLE = "settle"
+    HANDOFF = "handoff"
+    # issue 12: holds (an incident's: payload ``incident_id``) and custody of escalations
+    HOLD = "hold"
+    RELEASE = "release"
+    ACKNOWLEDGE = "acknowledge"  # payload ``escalation_id``
 
 
 _DIGEST_ACTIONS = frozenset({ControlAction.APPROVE, ControlAction.DENY})
@@ -116,6 +122,10 @@ class ControlMessage(BaseModel):
             digest = self.payload.get("call_digest")
             if not isinstance(digest, str) or not 1 <= len(digest) <= 256:
                 raise ValueError(f"{self.action} needs payload.call_digest: the digest of the held call")
+        if self.action is ControlAction.ACKNOWLEDGE:
+            escalation = self.payload.get("escalation_id")
+            if not isinstance(escalation, str) or not 1 <= len(escalation) <= 400:
+                raise ValueError("acknowledge needs payload.escalation_id: the escalation taken into custody")
         message = self.payload.get("message")
         if message is not None and not isinstance(message, str):
             raise ValueError("payload.message, when present, must be a string")

@@ -96,6 +96,12 @@ class TrajectoryStatus(BaseModel):
     pending_control: int = 0
     hibernated: bool = False
     updated_at: float | None = None
+    # issue 12
+    hold: str = ""  # watchdog, control, incident, or empty
+    hold_reason: str = ""
+    hold_incidents: tuple[str, ...] = ()
+    rung: str = ""
+    escalations_open: int = 0
 
     @classmethod
     def from_hash(cls, trajectory_id: str, raw: Mapping[bytes | str, bytes | str]) -> TrajectoryStatus:
@@ -122,12 +128,22 @@ class TrajectoryStatus(BaseModel):
             pending_control=int(_float(f.get("pending_control")) or 0),
             hibernated=f.get("hibernated", "").lower() in ("1", "true", "yes"),
             updated_at=_float(f.get("updated_at")),
+            hold=f.get("hold", ""),
+            hold_reason=f.get("hold_reason", ""),
+            hold_incidents=tuple(i for i in f.get("hold_incidents", "").split(",") if i),
+            rung=f.get("rung", ""),
+            escalations_open=int(_float(f.get("escalations_open")) or 0),
         )
 
     @property
     def pending_work(self) -> str:
         """What the trajectory is waiting on, in a few words."""
         parts = []
+        if self.hold:
+            held_by = f" by {', '.join(self.hold_incidents)}" if self.hold_incidents else ""
+            parts.append(f"{self.hold} hold{held_by}")
+        if self.escalations_open:
+            parts.append(f"{self.escalations_open} open escalation(s)")
         if self.held is not None:
             parts.append(f"approval of {self.held.tool} {self.held.digest[:12]}")
         if self.pending_control:
@@ -140,6 +156,8 @@ class TrajectoryStatus(BaseModel):
         """The one-line form ``tether status`` prints."""
         binding = f" ({self.binding_dimension})" if self.binding_dimension else ""
         exit_reason = f" exit={self.exit_reason}" if self.exit_reason else ""
+        if self.rung and self.rung != "full":
+            exit_reason += f" rung={self.rung}"
         return (
             f"{self.trajectory_id}  {self.state}{exit_reason}  turns={self.turns}  "
             f"rho={self.rho:.2f}{binding}  pending: {self.pending_work}"

@@ -11,6 +11,11 @@ serves them, names prefixed ``ray_``). The driver is a plain process that serves
   although no process holds them.
 * ``tether_duplicate_effects{tool}``: effects the testbed's independent ledger applied more than once
   (§12.5: zero by construction; only the system holding the effect can see a duplicate).
+* issue 12, from the cluster's escalation registry, incident store and quarantine
+  (``cluster.supervision_store``): ``tether_escalations_open{trigger}`` (nobody has custody yet),
+  ``tether_escalations_overdue{trigger}`` (open past their SLA: the alert ``TetherEscalationSlaMissed``
+  pages on it), ``tether_escalation_sla_missed_total{trigger}`` (each escalation counted once, when it
+  missed), ``tether_incidents{status}`` and ``tether_quarantined_artifacts``.
 
 ``start_driver_metrics(port, ...)`` starts both; ``DriverMetrics.close()`` stops them after a last poll, so a
 scrape after the run sees the final counts.
@@ -22,7 +27,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol
@@ -38,8 +44,10 @@ __all__ = [
     "DriverMetrics",
     "DuplicateTally",
     "RunObserver",
+    "SlaTally",
     "start_driver_metrics",
     "state_counts",
+    "supervision_counts",
 ]
 
 STARTING = "STARTING"
@@ -88,6 +96,43 @@ class DuplicateTally:
         return new
 
 
+def supervision_counts(escalations: Iterable[Mapping[str, Any]], now: float) -> dict[str, dict[str, int]]:
+    """Open and overdue escalations per trigger (every trigger present, zero included)."""
+    from runtime.escalation import EscalationTrigger
+
+    open_ = dict.fromkeys((t.value for t in EscalationTrigger), 0)
+    overdue = dict(open_)
+    for e in escalations:
+        trigger = str(e.get("trigger"))
+        if e.get("status") == "open":
+            open_[trigger] = open_.get(trigger, 0) + 1
+            if now > float(e.get("due_at") or 0.0):
+                overdue[trigger] = overdue.get(trigger, 0) + 1
+    return {"open": open_, "overdue": overdue}
+
+
+@dataclass
+class SlaTally:
+    """Counts each escalation's SLA miss once, however often the registry is read."""
+
+    missed: set[str] = field(default_factory=set)
+
+    def update(self, escalations: Iterable[Mapping[str, Any]], now: float) -> list[str]:
+        """Triggers of escalations that missed their SLA since the last update (one entry per miss)."""
+        new = []
+        for e in escalations:
+            eid = str(e.get("escalation_id"))
+            if eid in self.missed:
+                continue
+            due = float(e.get("due_at") or 0.0)
+            acked = e.get("acknowledged_at")
+            late = (acked is not None and float(acked) > due) or (e.get("status") == "open" and now > due)
+            if late:
+                self.missed.add(eid)
+                new.append(str(e.get("trigger")))
+        return new
+
+
 class RunObserver:
     """Polls the run's status snapshots (and the testbed ledger, if given) into ``metrics`` on a thread.
 
@@ -115,6 +160,7 @@ class RunObserver:
         self.interval_s = interval_s
         self.polls = 0
         self._tally = DuplicateTally()
+        self._sla = SlaTally()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -157,8 +203,31 @@ class RunObserver:
             for tool, n in self._tally.update(snapshot.effects).items():
                 for _ in range(n):
                     self.metrics.duplicate_effect(tool)
+        await self._supervision(client)
         self.polls += 1
         return counts
+
+    async def _supervision(self, client: aioredis.Redis) -> None:
+        """Escalations (open, overdue, SLA misses), incidents and the quarantine (issue 12)."""
+        from cluster.supervision_store import RedisSupervisionStore
+
+        store = RedisSupervisionStore(client)
+        escalations = await store.escalations()
+        now = time.time()
+        counts = supervision_counts(escalations, now)
+        for trigger, n in counts["open"].items():
+            self.metrics.escalations_open(trigger, n)
+        for trigger, n in counts["overdue"].items():
+            self.metrics.escalations_overdue(trigger, n)
+        for trigger in self._sla.update(escalations, now):
+            self.metrics.escalation_sla_missed(trigger)
+        by_status = {"open": 0, "released": 0, "closed": 0}
+        for doc in await store.incidents():
+            status = str(doc.get("status", "open"))
+            by_status[status] = by_status.get(status, 0) + 1
+        for status, n in by_status.items():
+            self.metrics.incidents(status, n)
+        self.metrics.quarantined_artifacts(await store.quarantine_size())
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -23,18 +23,23 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from actors.contracts import ServerHints
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
+from actors.provider_tally import read_provider_tallies, summed
 from actors.status import status_key
+from actors.tools_mcp.config import McpRoute
 from cluster.adapters import ClusterAdapters
 from cluster.embedded import REDIS_URL_ENV, redis_url_from_env, stop_embedded, tether_home
-from cluster.workload import ToolSource, TrajectorySpec, Workload
+from cluster.run_actions import OperatorActions, PlannedAction, alongside
+from cluster.run_report import read_handoffs, read_ledger
+from cluster.workload import ToolSource, TrajectorySpec, Workload, resolve_tool_contracts
 from runtime.errors import DependencyError
 from runtime.states import TrajectoryState
 
@@ -55,6 +60,7 @@ __all__ = [
 ]
 
 _STATE_ORDER = [s.value for s in TrajectoryState]
+_log = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 60.0
 
 
@@ -95,6 +101,15 @@ class TrajectoryResult:
     binding_dimension: str | None
     expected_state: str | None = None
     error: str | None = None
+    # issue 12: the result's rung and machine-readable completeness, and what supervision left behind
+    result: dict[str, Any] | None = None
+    escalations: dict[str, str] = field(default_factory=dict)  # escalation id -> trigger
+    children: dict[str, Any] = field(default_factory=dict)
+    spend: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rung(self) -> str:
+        return str((self.result or {}).get("rung", "full"))
 
     @property
     def as_expected(self) -> bool:
@@ -110,33 +125,59 @@ class TrajectoryResult:
             "tokens": self.tokens,
             "dollars": self.dollars,
             "binding_dimension": self.binding_dimension,
+            "rung": self.rung,
+            "result": self.result,
+            "escalations": dict(self.escalations),
+            "children": dict(self.children),
         }
 
 
 @dataclass
 class RunResult:
     results: list[TrajectoryResult]
-    provider: dict[str, int | None] = field(default_factory=lambda: {"requests": None, "rate_limited": None})
+    # What the run saw of its provider (``Services.provider_counts``): issue 3's ``requests`` and
+    # ``rate_limited``, plus ``simulated`` (the simulator's own counters, None for a real provider),
+    # ``observed`` (what the trajectories' adapters saw, per provider) and ``scheduler`` (per provider key:
+    # admissions, 429s reported, retry hints honoured, the limits learned).
+    provider: dict[str, Any] = field(default_factory=lambda: {"requests": None, "rate_limited": None})
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # The testbed's own count of what the run did to the world (``cluster.run_report.ledger_summary``;
+    # None without testbed tools), and the handoff packet of each trajectory that wrote one.
+    ledger: dict[str, Any] | None = None
+    handoff: dict[str, dict[str, Any]] = field(default_factory=dict)
+    operator_actions: dict[str, str] = field(default_factory=dict)
+    # issue 12: escalations by trigger, incidents and the quarantine, read from the cluster at the end
+    supervision: dict[str, Any] = field(default_factory=dict)
 
     @property
     def unexpected(self) -> list[TrajectoryResult]:
         return [r for r in self.results if not r.as_expected]
 
     def report(self) -> dict[str, Any]:
-        """``{"summary": {...}, "trajectories": [...], "provider": {...}}`` exactly as issue 3 specifies."""
+        """``{"summary", "trajectories", "provider"}`` as issue 3 specifies, plus issue 11's ``ledger`` (the
+        testbed's own count), ``handoff`` (packets by trajectory) and the scripted ``operator_actions``."""
         states = Counter(r.state for r in self.results)
         reasons = Counter(r.exit_reason for r in self.results if r.exit_reason is not None)
+        rungs = Counter(r.rung for r in self.results)
+        statuses = Counter(str((r.result or {}).get("status", "unknown")) for r in self.results)
+        degraded = sum(n for rung, n in rungs.items() if rung != "full")
         return {
             "summary": {
                 "states": dict(sorted(states.items())),
                 "exit_reasons": dict(sorted(reasons.items())),
                 "tokens": sum(r.tokens for r in self.results),
                 "dollars": round(sum(r.dollars for r in self.results), 6),
+                "rungs": dict(sorted(rungs.items())),
+                "results": dict(sorted(statuses.items())),
+                "degraded_result_rate": round(degraded / len(self.results), 4) if self.results else 0.0,
             },
             "trajectories": [r.row() for r in self.results],
             "provider": dict(self.provider),
+            "ledger": self.ledger,
+            "handoff": dict(self.handoff),
+            "operator_actions": dict(self.operator_actions),
+            "supervision": dict(self.supervision),
         }
 
 
@@ -153,11 +194,15 @@ def plan_launches(
     created_at: float,
     keyring_path: str | None = None,
     workspace_root: str | None = None,
+    mcp_catalog: Mapping[str, Mapping[str, ServerHints]] | None = None,
+    base_dir: Path | None = None,
 ) -> list[tuple[TrajectorySpec, TrajectoryLaunch]]:
     """A launch per trajectory (``count`` templates expanded); ids are ``<run_id>.<id in the file>``.
 
     ``workspace_root``: where each trajectory's sandbox workspace lives (``<root>/<trajectory id>``);
-    None: no sandbox (tools that need one are refused).
+    None: no sandbox (tools that need one are refused). ``mcp_catalog``: what each MCP server listed at the
+    run's start (``Services.mcp_catalog``), from which MCP tools import their schemas. ``base_dir``: what a
+    stdio MCP server's relative ``cwd`` is relative to (default: this process's working directory).
     """
     provider = ProviderLaunch(
         base_url=base_url,
@@ -169,16 +214,23 @@ def plan_launches(
     )
     routes: dict[str, str] = {}
     local: list[str] = []
+    mcp_tools: dict[str, McpRoute] = {}
     for tool in workload.tools:
         if tool.source == ToolSource.BUILTIN:
             local.append(tool.name)
         elif tool.source == ToolSource.GRPC:
             assert tool.address is not None  # the schema requires it
             routes[tool.name] = tool.address
+        elif tool.source == ToolSource.MCP:
+            assert tool.server is not None  # the schema requires it
+            mcp_tools[tool.name] = McpRoute(server=tool.server, remote=tool.remote or tool.name)
         else:
             if testbed_address is None:
                 raise ValueError("testbed tools declared but no testbed address given")
             routes[tool.name] = testbed_address
+    contracts, _ = resolve_tool_contracts(workload, mcp_catalog)
+    base = base_dir or Path.cwd()
+    mcp_servers = {name: spec.config(base) for name, spec in workload.mcp_servers.items()}
     retry = RetryLaunch(**workload.retry.model_dump())
     planned = []
     for spec in workload.expanded():
@@ -197,6 +249,7 @@ def plan_launches(
             max_tokens=spec.max_tokens,
             call_deadline_s=spec.call_deadline_s,
             deadline_s=spec.deadline_s,
+            reserve_s=spec.reserve_s(),
             created_at=created_at,
             completion_check=CheckLaunch(name=check.kind, params=params),
             metadata={"scenario": spec.scenario},
@@ -205,6 +258,9 @@ def plan_launches(
             # every trajectory routes every declared tool; its grants decide what it may call
             tool_routes=routes,
             local_tools=tuple(local),
+            tool_contracts=contracts,
+            mcp_servers=mcp_servers,
+            mcp_tools=mcp_tools,
             use_scheduler=workload.scheduler,
             guard=workload.guard,
             retry=retry,
@@ -214,9 +270,20 @@ def plan_launches(
             hibernate_after_s=workload.hibernate_after_s,
             workspace_root=workspace_root,
             resources=workload.trajectory_resources,
+            supervision=_supervision_of(workload, spec),
         )
         planned.append((spec, launch))
     return planned
+
+
+def _supervision_of(workload: Workload, spec: TrajectorySpec) -> Any:
+    """The workload's supervision, with the trajectory's own delegation template where it declares one."""
+    if spec.delegation is None:
+        return workload.supervision
+    from actors.supervision_config import SupervisionSpec
+
+    base = workload.supervision or SupervisionSpec()
+    return base.model_copy(update={"delegation": spec.delegation})
 
 
 def new_run_id(now: float) -> str:
@@ -243,8 +310,10 @@ class Services:
         self.adapters = ClusterAdapters()  # actors.ports over Redis and the keyring, handed to every actor
         self.started_ray = False  # True when this run started its own local Ray (else it joined one)
         self.relay_handles: list[Any] = []
+        self.mcp_catalog: dict[str, Any] = {}  # MCP server -> its tools' hints, listed at start
         # Handles of the actors we created: a non-detached actor lives as long as its creator holds one.
         self.actor_handles: list[Any] = []
+        self.scheduler_actor: Any = None  # the scheduler actor this run started or joined
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Services:
@@ -281,7 +350,13 @@ class Services:
             self._stack.callback(self.provider.stop)
             self.base_url = self.provider.base_url
         if any(t.source == ToolSource.TESTBED for t in wl.tools):
-            testbed = TestbedProcess(free_port()).start()
+            from testbed.tools.faults import FaultPlan
+
+            faults = {
+                name: [FaultPlan.model_validate(p) for p in (plan if isinstance(plan, list) else [plan])]
+                for name, plan in wl.testbed_faults.items()
+            }
+            testbed = TestbedProcess(free_port(), faults=faults).start()
             self._stack.callback(testbed.stop)
             self.testbed_address = testbed.address
         if self.options.address is None:
@@ -363,25 +438,144 @@ class Services:
             metrics=MetricsAdapter(RayBackend),
         )
         self.actor_handles.append(scheduler.actor)
+        self.scheduler_actor = scheduler.actor
 
     def _start_guards(self) -> None:
-        """Create the guard actor of every shared dependency scope from the driver, which then owns them
-        (an actor is owned by its creator: a guard created by a trajectory actor would die with it)."""
-        from actors.contracts import testbed_contracts
+        """Create the guard actor of every shared dependency scope, and the host actor of every MCP server,
+        from the driver, which then owns them (an actor is owned by its creator: one created by a trajectory
+        actor would die with it). Each MCP server's tools are listed here, once, at the run's start
+        (``mcp_catalog``): their schemas are imported into the launches, and a declared tool the server
+        does not offer stops the run before any trajectory starts."""
         from actors.metrics_ray import RayBackend
         from breakers.guard import GuardHandle
 
-        declared = {t.name for t in self.workload.tools if t.source != ToolSource.BUILTIN}
-        scopes = sorted({c.dependency_scope for c in testbed_contracts() if c.name in declared})
-        handle = GuardHandle(metrics_backend=RayBackend)
+        wl = self.workload
+        if wl.mcp_servers:
+            self._start_mcp_hosts()
+        scopes = sorted({t.guarded_scope(wl.mcp_servers) for t in wl.tools if t.source != ToolSource.BUILTIN})
+        policy = None
+        if wl.breaker is not None:  # issue 12: an example's outage trips a breaker in a few calls
+            from breakers.breaker import BreakerPolicy
+            from breakers.scope_guard import GuardPolicy
+
+            b = wl.breaker
+            breaker = BreakerPolicy(
+                window_size=b.window_size,
+                min_samples=b.min_samples,
+                trip_threshold=b.failure_threshold,
+                cooldown_s=b.cooldown_s,
+                max_cooldown_s=max(b.cooldown_s, BreakerPolicy().max_cooldown_s),
+            )
+            policy = GuardPolicy(breaker=breaker)
+        handle = GuardHandle(policy=policy, metrics_backend=RayBackend)
         self.actor_handles.extend(handle.actor(scope) for scope in scopes)
 
-    def provider_counts(self) -> dict[str, int | None]:
-        """Requests and 429s as the simulated provider counted them (None for a real provider)."""
-        if self.provider is None:
-            return {"requests": None, "rate_limited": None}
-        stats = self.provider.stats()
-        return {"requests": int(stats["requests"]), "rate_limited": int(stats["rate_limited"])}
+    def _start_mcp_hosts(self) -> None:
+        import ray
+
+        from actors.tools_mcp.host import RayMcpHosts
+        from actors.tools_mcp.session import ToolListing
+
+        servers = self.workload.mcp_servers
+        hosts = RayMcpHosts({name: spec.config(Path.cwd()) for name, spec in servers.items()})
+        actors = {name: hosts.actor(name) for name in sorted(servers)}
+        self.actor_handles.extend(actors.values())
+        catalog: dict[str, dict[str, ServerHints]] = {}
+        for name, actor in actors.items():
+            limit = servers[name].connect_timeout_s
+            try:
+                listed: list[ToolListing] = ray.get(actor.list_tools.remote(limit), timeout=limit + 30.0)
+            except Exception as e:
+                cause = getattr(e, "cause", None) or e
+                raise DependencyError(
+                    f"MCP server {name!r} ({servers[name].describe()}): could not list its tools: {cause}",
+                    scope=servers[name].scope_name(name),
+                ) from e
+            catalog[name] = {
+                t.name: ServerHints(t.description, t.input_schema, t.read_only, t.destructive, t.idempotent)
+                for t in listed
+            }
+        self.mcp_catalog = catalog
+        _, notes = resolve_tool_contracts(self.workload, catalog)  # fails early, naming the tool
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+
+    def provider_counts(self, trajectory_ids: Sequence[str] = ()) -> dict[str, Any]:
+        """What the run saw of its provider, from three places, each kept as it counted:
+
+        - ``simulated``: the simulated provider's own counters (``GET /testbed/stats``); None for a real one;
+        - ``observed``: what the trajectories' model adapters saw, per provider (requests, responses by HTTP
+          status, outcomes, retry hints by header, estimated usage), summed from the tally hashes their
+          ``actors.provider_tally.RedisProviderTally`` observers keep in Redis;
+        - ``scheduler``: per provider key, what the scheduler actor admitted and was told (429s reported,
+          retry hints honoured by header, the limits it learned and where from).
+
+        ``requests`` and ``rate_limited`` (issue 3's report) are the provider's own counts when it keeps them,
+        else the adapters' observation, else the scheduler's (admissions and 429s reported).
+        """
+        simulated = None
+        requests: int | None
+        limited: int | None
+        if self.provider is not None:
+            stats = self.provider.stats()
+            simulated = {"requests": int(stats["requests"]), "rate_limited": int(stats["rate_limited"])}
+        observed = self._observed(trajectory_ids)
+        scheduler = self._scheduler_view()
+        if simulated is not None:
+            requests, limited = simulated["requests"], simulated["rate_limited"]
+        elif observed:
+            requests, limited = summed(observed, "requests"), summed(observed, "rate_limited")
+        elif scheduler:
+            requests = sum(int(lane["granted"]) for lane in scheduler.values())
+            limited = sum(int(lane["rate_limited"]) for lane in scheduler.values())
+        else:
+            requests = limited = None
+        return {
+            "requests": requests,
+            "rate_limited": limited,
+            "simulated": simulated,
+            "observed": observed,
+            "scheduler": scheduler,
+        }
+
+    def _observed(self, trajectory_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        if not trajectory_ids or not self.redis_url:
+            return {}
+
+        async def read() -> dict[str, dict[str, Any]]:
+            client = aioredis.Redis.from_url(self.redis_url, socket_timeout=10.0)
+            try:
+                return await read_provider_tallies(client, trajectory_ids)
+            finally:
+                await client.aclose()
+
+        try:
+            return asyncio.run(read())
+        except Exception as e:  # the report is a view: say what is missing rather than fail the run
+            _log.warning("provider tallies not read from %s: %s", self.redis_url, e)
+            return {}
+
+    def _scheduler_view(self) -> dict[str, dict[str, Any]]:
+        if self.scheduler_actor is None:
+            return {}
+        import ray
+
+        try:
+            snapshot = ray.get(self.scheduler_actor.snapshot.remote(), timeout=30)
+        except Exception as e:
+            _log.warning("scheduler snapshot not read: %s", e)
+            return {}
+        return {
+            key: {
+                "granted": lane.granted,
+                "rate_limited": lane.rate_limited,
+                "retry_hints_honoured": dict(lane.retry_hints_honoured),
+                "limit_requests": lane.limit_requests,
+                "limit_tokens": lane.limit_tokens,
+                "limit_sources": dict(lane.limit_sources),
+            }
+            for key, lane in snapshot.lanes.items()
+        }
 
 
 _RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -495,6 +689,7 @@ class Driver:
         # is stuck (never placed, or wedged), and the run reports it instead of waiting forever.
         self.deadline_grace_s = DEADLINE_GRACE_S
         self.handles: dict[str, Any] = {}
+        self.supervision: dict[str, Any] = {}
 
     async def run(
         self, on_progress: Progress | None = None, stop: threading.Event | None = None
@@ -522,6 +717,8 @@ class Driver:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self._sample_once(client, started, on_progress)
+        with contextlib.suppress(Exception):  # a view: a report without it says nothing rather than fail
+            self.supervision = await supervision_report(client)
         await client.aclose()
         return list(results)
 
@@ -589,6 +786,10 @@ class Driver:
             binding_dimension=summary.get("binding_dimension"),
             expected_state=spec.expected_state,
             error=error,
+            result=summary.get("result"),
+            escalations=dict(summary.get("escalations") or {}),
+            children=dict(summary.get("children") or {}),
+            spend=dict(summary.get("spend") or {}),
         )
 
     async def _until_woken(self, client: aioredis.Redis, trajectory_id: str, deadline_at: float) -> None:
@@ -629,6 +830,35 @@ class Driver:
             on_progress(dict(counts), len(self.launches))
 
 
+async def supervision_report(client: aioredis.Redis) -> dict[str, Any]:
+    """Escalations by trigger (open, overdue, all), incidents and the quarantine, as the run leaves them."""
+    from cluster.observe import supervision_counts
+    from cluster.supervision_store import RedisSupervisionStore
+
+    store = RedisSupervisionStore(client)
+    escalations = await store.escalations()
+    counts = supervision_counts(escalations, time.time())
+    by_trigger = Counter(str(e.get("trigger")) for e in escalations)
+    incidents = await store.incidents()
+    return {
+        "escalations": {
+            "by_trigger": dict(sorted(by_trigger.items())),
+            "open": {t: n for t, n in counts["open"].items() if n},
+            "overdue": {t: n for t, n in counts["overdue"].items() if n},
+        },
+        "incidents": [
+            {
+                "incident_id": d["incident_id"],
+                "status": d.get("status"),
+                "members": sorted(d.get("members", {})),
+                "artifacts": len(d.get("artifacts", [])),
+            }
+            for d in incidents
+        ],
+        "quarantined_artifacts": await store.quarantine_size(),
+    }
+
+
 def run_driver(
     workload: Workload,
     services: Services,
@@ -650,6 +880,7 @@ def run_driver(
         created_at=now,
         keyring_path=services.keyring_path,
         workspace_root=services.workspace_root,
+        mcp_catalog=services.mcp_catalog,
     )
     for _, launch in planned:
         save_launch(services.redis_url, launch)
@@ -673,20 +904,30 @@ def run_driver(
             testbed_address=services.testbed_address,
         )
         print(f"driver metrics: {metrics.url}", file=sys.stderr)
+    actions = OperatorActions(
+        [PlannedAction(launch.trajectory_id, spec.operator) for spec, launch in planned if spec.operator],
+        services.redis_url,
+        services.keyring_path,
+    )
     started = time.monotonic()
     try:
-        results = asyncio.run(driver.run(on_progress, stop))
+        results = asyncio.run(alongside(driver.run(on_progress, stop), actions))
     finally:
         if metrics is not None:
             metrics.close()
         if asked:
             with contextlib.suppress(Exception):  # the cluster may be gone; nothing left to withdraw
                 request_capacity(0)  # the trajectories are done: let idle nodes scale down
+    ids = [launch.trajectory_id for _, launch in planned]
     return RunResult(
         results=results,
-        provider=services.provider_counts(),
+        provider=services.provider_counts(ids),
         timeline=driver.timeline,
         elapsed_s=time.monotonic() - started,
+        ledger=read_ledger(services.testbed_address),
+        handoff=read_handoffs(services.redis_url, ids),
+        operator_actions=dict(actions.sent),
+        supervision=driver.supervision,
     )
 
 

@@ -23,7 +23,7 @@ import fcntl
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
@@ -87,6 +87,14 @@ ACTION_ROLES: Mapping[ControlAction, frozenset[Role]] = MappingProxyType(
         ControlAction.RESUME: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.CANCEL: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
         ControlAction.INTERRUPT: frozenset({Role.OPERATOR, Role.SRE, Role.POLICY}),
+        # what a trajectory owes the world: a person's word, never a policy's
+        ControlAction.SETTLE: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
+        ControlAction.HANDOFF: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
+        # issue 12: an incident hold is containment (security and reliability staff, or an automated
+        # policy); lifting it and taking custody of an escalation are a person's decisions
+        ControlAction.HOLD: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE, Role.POLICY}),
+        ControlAction.RELEASE: frozenset({Role.OPERATOR, Role.SECOPS}),
+        ControlAction.ACKNOWLEDGE: frozenset({Role.OPERATOR, Role.SECOPS, Role.SRE}),
     }
 )
 
@@ -362,6 +370,7 @@ class VerifiedMessage:
     message: ControlMessage
     signers: tuple[str, ...]
     roles: frozenset[Role]  # union of the signers' roles (for quorum policies)
+    signer_roles: Mapping[str, frozenset[Role]] = field(default_factory=dict)  # each signer's own roles
 
 
 class Verifier:
@@ -436,4 +445,4 @@ class Verifier:
         if seen(message.message_id, message.nonce):
             raise reject(RejectReason.REPLAYED, "message id or nonce already used")
         roles = frozenset().union(*(e.roles for e in entries.values()))
-        return VerifiedMessage(message, signers, roles)
+        return VerifiedMessage(message, signers, roles, {name: e.roles for name, e in entries.items()})

@@ -24,9 +24,12 @@ from runtime.events import (
     LeaseReleased,
     PointerMoved,
     PointerName,
+    TimerCancelled,
+    TimerFired,
+    TimerStarted,
     WallClockMeasured,
 )
-from runtime.record import AuditKind, Grants, Lease, PendingControl, TrajectoryRecord
+from runtime.record import AuditKind, Grants, Lease, PendingControl, Timer, TrajectoryRecord
 from runtime.states import TrajectoryState
 
 S = TrajectoryState
@@ -46,11 +49,28 @@ def _control_requested(rec: TrajectoryRecord, ev: ControlRequested) -> Trajector
 def _control_applied(rec: TrajectoryRecord, ev: ControlApplied) -> TrajectoryRecord:
     if all(p.message_id != ev.message_id for p in rec.pending_control):
         refuse(rec, ev, "not_pending", f"no pending control message {ev.message_id!r}")
+    trail = rec.audit
+    if ev.refused is not None:
+        trail = audit(rec, AuditKind.CONTROL_REFUSED, ev.message_id, ev.refused)
     return replace(
         rec,
         pending_control=tuple(p for p in rec.pending_control if p.message_id != ev.message_id),
         applied_control_ids=rec.applied_control_ids | {ev.message_id},
+        audit=trail,
     )
+
+
+def _timer_started(rec: TrajectoryRecord, ev: TimerStarted) -> TrajectoryRecord:
+    if ev.timer_id in rec.timers:
+        refuse(rec, ev, "timer_armed", f"timer {ev.timer_id!r} is already armed")
+    timer = Timer(ev.timer_id, ev.timer_kind, ev.due_at, ev.subject)
+    return replace(rec, timers=with_item(rec.timers, ev.timer_id, timer))
+
+
+def _timer_gone(rec: TrajectoryRecord, ev: TimerFired | TimerCancelled) -> TrajectoryRecord:
+    if ev.timer_id not in rec.timers:
+        refuse(rec, ev, "unknown_timer", f"no armed timer {ev.timer_id!r}")
+    return replace(rec, timers=without_item(rec.timers, ev.timer_id))
 
 
 def _control_rejected(rec: TrajectoryRecord, ev: ControlRejected) -> TrajectoryRecord:
@@ -133,5 +153,8 @@ HANDLERS: Mapping[type, Handler] = {
     LeaseAcquired: _lease_acquired,
     LeaseReleased: _lease_released,
     PointerMoved: _pointer_moved,
+    TimerStarted: _timer_started,
+    TimerFired: _timer_gone,
+    TimerCancelled: _timer_gone,
 }
 """The governance rules, by event type, for ``runtime.fold.apply``."""

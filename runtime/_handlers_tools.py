@@ -27,17 +27,21 @@ from runtime._handlers_common import (
     with_item,
     without_item,
 )
-from runtime.budget import Dimension
+from runtime.budget import meter_tool_call
 from runtime.events import (
     ApprovalDecided,
     ApprovalRechecked,
+    ApprovalVoted,
+    CallObserved,
     Event,
     LateResultDropped,
     OperationMarkedInDoubt,
     OperationSettled,
     ToolCallCancelled,
     ToolCallHeld,
+    ToolCallQueued,
     ToolCallTimedOut,
+    ToolCallWithdrawn,
     ToolDispatchIntent,
     ToolJobStarted,
     ToolResultAccepted,
@@ -48,11 +52,14 @@ from runtime.record import (
     ApprovalDecision,
     AuditKind,
     HeldCall,
+    HeldVote,
     ModelOutcome,
     PendingCall,
+    QueuedCall,
     TrajectoryRecord,
 )
 from runtime.states import TrajectoryState
+from runtime.watchdog import WatchdogStep
 
 S = TrajectoryState
 
@@ -75,7 +82,15 @@ def _abandon(record: TrajectoryRecord, event: Event, call_id: str) -> Trajectory
         record,
         pending_calls=without_item(record.pending_calls, call_id),
         operations=with_item(record.operations, op.operation_id, op),
+        transcript=(*record.transcript, event),
     )
+
+
+def _observed(rec: TrajectoryRecord, ev: CallObserved) -> TrajectoryRecord:
+    require_state(rec, ev, S.CALLING_MODEL, S.WAITING_TOOL)
+    step = WatchdogStep(ev.call_fingerprint, ev.coarse_fingerprint, ev.state_digest, ev.waiting_on_job)
+    watchdog, _ = rec.watchdog.observe(step)
+    return replace(rec, watchdog=watchdog)
 
 
 def _held(rec: TrajectoryRecord, ev: ToolCallHeld) -> TrajectoryRecord:
@@ -86,7 +101,17 @@ def _held(rec: TrajectoryRecord, ev: ToolCallHeld) -> TrajectoryRecord:
         refuse(rec, ev, "one_held_call", "a call is already held this turn")
     if not rec.grants.allows(ev.tool):
         refuse(rec, ev, "tool_not_granted", f"{ev.tool!r} is outside the grant")
-    held = HeldCall(ev.call_id, ev.tool, ev.arguments, ev.digest, ev.expires_at, ev.preconditions)
+    held = HeldCall(
+        ev.call_id,
+        ev.tool,
+        ev.arguments,
+        ev.digest,
+        ev.expires_at,
+        ev.preconditions,
+        requested_at=ev.requested_at,
+        quorum=ev.quorum,
+        required_roles=ev.required_roles,
+    )
     return replace(rec, held=held)
 
 
@@ -97,13 +122,31 @@ def _held_for(rec: TrajectoryRecord, ev: Event, digest: str) -> HeldCall:
     return rec.held
 
 
+def _approval_voted(rec: TrajectoryRecord, ev: ApprovalVoted) -> TrajectoryRecord:
+    held = _held_for(rec, ev, ev.digest)
+    if held.decision is not None:
+        refuse(rec, ev, "already_decided", f"the held call was already {held.decision}")
+    if ev.at > held.expires_at:
+        refuse(rec, ev, "approval_expired", "a vote after expiry counts for nothing")
+    if any(v.issuer == ev.issuer for v in held.votes):
+        refuse(rec, ev, "signer_already_voted", f"{ev.issuer!r} already approved (signer uniqueness)")
+    votes = (*held.votes, HeldVote(ev.issuer, ev.roles, ev.at))
+    return replace(rec, held=replace(held, votes=votes))
+
+
 def _approval_decided(rec: TrajectoryRecord, ev: ApprovalDecided) -> TrajectoryRecord:
     held = _held_for(rec, ev, ev.digest)
     if held.decision is not None:
         refuse(rec, ev, "already_decided", f"the held call was already {held.decision}")
     if ev.decision is ApprovalDecision.APPROVED and ev.decided_at > held.expires_at:
         refuse(rec, ev, "approval_expired", "silence until expiry is denial")
-    return replace(rec, held=replace(held, decision=ev.decision, issuers=ev.issuers))
+    # Time awaiting a person counts against the request's expiry, not the trajectory's compute budget.
+    waited = max(0.0, ev.decided_at - held.requested_at) if held.requested_at > 0 else 0.0
+    return replace(
+        rec,
+        held=replace(held, decision=ev.decision, issuers=ev.issuers),
+        excluded_wait_s=rec.excluded_wait_s + waited,
+    )
 
 
 def _approval_rechecked(rec: TrajectoryRecord, ev: ApprovalRechecked) -> TrajectoryRecord:
@@ -115,6 +158,27 @@ def _approval_rechecked(rec: TrajectoryRecord, ev: ApprovalRechecked) -> Traject
     if ev.passed and not rec.grants.allows(held.tool):
         refuse(rec, ev, "grant_revoked", f"{held.tool!r} is no longer granted")
     return replace(rec, held=replace(held, recheck_passed=ev.passed))
+
+
+def _queued(rec: TrajectoryRecord, ev: ToolCallQueued) -> TrajectoryRecord:
+    require_state(rec, ev, S.WAITING_TOOL)
+    if ev.call_id in rec.pending_calls:
+        refuse(rec, ev, "already_pending", f"call {ev.call_id!r} is in flight")
+    if not rec.grants.allows(ev.tool):
+        refuse(rec, ev, "tool_not_granted", f"{ev.tool!r} is outside the grant")
+    if ev.operation_id is not None and ev.operation_id not in rec.operations:
+        refuse(rec, ev, "unknown_operation", f"no operation {ev.operation_id!r} to continue")
+    call = QueuedCall(
+        ev.call_id, ev.tool, ev.arguments, ev.stage, ev.request_id, ev.operation_id, ev.approval_digest
+    )
+    return replace(rec, queued=with_item(rec.queued, ev.call_id, call))
+
+
+def _withdrawn(rec: TrajectoryRecord, ev: ToolCallWithdrawn) -> TrajectoryRecord:
+    if ev.call_id not in rec.queued:
+        refuse(rec, ev, "not_queued", f"call {ev.call_id!r} is not waiting to be sent")
+    held = None if rec.held is not None and rec.held.call_id == ev.call_id else rec.held
+    return replace(rec, queued=without_item(rec.queued, ev.call_id), held=held)
 
 
 def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord:
@@ -153,6 +217,8 @@ def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord
             liability=ev.liability,
             compensation=ev.compensation,
             repeat_safe=ev.repeat_safe,
+            arguments=ev.arguments,
+            dispatched_at=ev.at,
         )
     else:
         if (existing.call_id, existing.tool, existing.effect_key) != (ev.call_id, ev.tool, ev.effect_key):
@@ -171,13 +237,23 @@ def _dispatch(rec: TrajectoryRecord, ev: ToolDispatchIntent) -> TrajectoryRecord
             liability=ev.liability,
             compensation=ev.compensation,
             repeat_safe=ev.repeat_safe,
+            dispatched_at=ev.at or existing.dispatched_at,
         )
-    pending = PendingCall(ev.call_id, ev.tool, ev.operation_id, ev.attempt_id, ev.deadline)
+    pending = PendingCall(
+        ev.call_id,
+        ev.tool,
+        ev.operation_id,
+        ev.attempt_id,
+        ev.deadline,
+        guard_permit=ev.guard_permit,
+        sandbox_permit=ev.sandbox_permit,
+    )
     return replace(
         rec,
         held=held,
         pending_calls=with_item(rec.pending_calls, ev.call_id, pending),
         operations=with_item(rec.operations, op.operation_id, op),
+        queued=without_item(rec.queued, ev.call_id),
     )
 
 
@@ -198,11 +274,14 @@ def _result_accepted(rec: TrajectoryRecord, ev: ToolResultAccepted) -> Trajector
     op = settle(rec.operations[pending.operation_id], ev.settlement)
     if not op.settled:
         op = replace(op, in_doubt=True, owner=rec.trajectory_id)
+    elif ev.settlement is Settlement.ESTABLISHED and ev.error is None:
+        op = replace(op, result=ev.result)
     return replace(
         rec,
         pending_calls=without_item(rec.pending_calls, ev.call_id),
         operations=with_item(rec.operations, op.operation_id, op),
-        spend=charged(rec, {Dimension.DOLLARS: ev.charge}),
+        spend=charged(rec, meter_tool_call(ev.charge).as_dict()),
+        transcript=(*rec.transcript, ev),
     )
 
 
@@ -238,7 +317,10 @@ def _operation_settled(rec: TrajectoryRecord, ev: OperationSettled) -> Trajector
         op = settle(op, ev.settlement)
     except ValueError as exc:
         refuse(rec, ev, "settled_is_final", str(exc))
-    return replace(rec, operations=with_item(rec.operations, op.operation_id, op))
+    if ev.result is not None and op.settlement is Settlement.ESTABLISHED:
+        op = replace(op, result=ev.result)
+    transcript = (*rec.transcript, ev) if ev.call_id is not None else rec.transcript
+    return replace(rec, operations=with_item(rec.operations, op.operation_id, op), transcript=transcript)
 
 
 def _late_result(rec: TrajectoryRecord, ev: LateResultDropped) -> TrajectoryRecord:
@@ -248,9 +330,13 @@ def _late_result(rec: TrajectoryRecord, ev: LateResultDropped) -> TrajectoryReco
 
 
 HANDLERS: Mapping[type, Handler] = {
+    CallObserved: _observed,
     ToolCallHeld: _held,
+    ApprovalVoted: _approval_voted,
     ApprovalDecided: _approval_decided,
     ApprovalRechecked: _approval_rechecked,
+    ToolCallQueued: _queued,
+    ToolCallWithdrawn: _withdrawn,
     ToolDispatchIntent: _dispatch,
     ToolJobStarted: _job_started,
     ToolResultAccepted: _result_accepted,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from runtime._handlers_common import Handler, charged, refuse, require_state
-from runtime.budget import Dimension
+from runtime.budget import Dimension, PriceTable, meter_model_call, meter_turn
 from runtime.events import (
     CompletionChecked,
     Event,
@@ -22,17 +22,21 @@ from runtime.events import (
     ObservationAppended,
     ObservationKind,
     TrajectoryCreated,
+    TurnAbandoned,
+    TurnRequested,
     TurnStarted,
 )
-from runtime.ports import Usage
-from runtime.record import ModelCall, ModelOutcome, TrajectoryRecord
+from runtime.ports import StopReason, Usage
+from runtime.record import ModelCall, ModelOutcome, TrajectoryRecord, TurnRequestState
 from runtime.states import ExitReason, TrajectoryState
 
 S = TrajectoryState
 
 
 def _model_charge(usage: Usage, dollars: float) -> dict[str, float]:
-    return {Dimension.TOKENS: float(usage.total), Dimension.DOLLARS: dollars}
+    # the event carries the dollars priced when it was decided; tokens are the provider's report
+    spend = meter_model_call(usage, PriceTable(0.0, 0.0, 0.0))
+    return {**spend.as_dict(), Dimension.DOLLARS: dollars}
 
 
 def _created(rec: TrajectoryRecord, ev: TrajectoryCreated) -> TrajectoryRecord:
@@ -51,11 +55,25 @@ def _completion_checked(rec: TrajectoryRecord, ev: CompletionChecked) -> Traject
     return replace(rec, check_passed=ev.passed, exit_reason=exit_reason)
 
 
+def _turn_requested(rec: TrajectoryRecord, ev: TurnRequested) -> TrajectoryRecord:
+    require_state(rec, ev, S.READY)
+    if rec.turn_request is not None:
+        refuse(rec, ev, "turn_already_requested", f"request {rec.turn_request.request_id!r} stands")
+    request = TurnRequestState(ev.request_id, ev.estimated_tokens, ev.max_tokens, ev.prompt_tokens)
+    return replace(rec, turn_request=request)
+
+
+def _turn_abandoned(rec: TrajectoryRecord, ev: TurnAbandoned) -> TrajectoryRecord:
+    if rec.turn_request is None or rec.turn_request.request_id != ev.request_id:
+        refuse(rec, ev, "no_such_request", f"no standing turn request {ev.request_id!r}")
+    return replace(rec, turn_request=None)
+
+
 def _turn_started(rec: TrajectoryRecord, ev: TurnStarted) -> TrajectoryRecord:
     require_state(rec, ev, S.READY)
     if ev.turn != rec.turn_count + 1:
         refuse(rec, ev, "turn_out_of_order", f"next turn is {rec.turn_count + 1}, got {ev.turn}")
-    return replace(rec, turn_count=ev.turn, spend=charged(rec, {Dimension.TURNS: 1.0}))
+    return replace(rec, turn_count=ev.turn, spend=charged(rec, meter_turn().as_dict()), turn_request=None)
 
 
 def _model_intent(rec: TrajectoryRecord, ev: ModelCallIntent) -> TrajectoryRecord:
@@ -87,7 +105,9 @@ def _model_ended(
 
 
 def _model_settled(rec: TrajectoryRecord, ev: ModelCallSettled) -> TrajectoryRecord:
-    return _model_ended(rec, ev, ModelOutcome(ev.stop_reason.value), ev.usage, ev.dollars)
+    ended = _model_ended(rec, ev, ModelOutcome(ev.stop_reason.value), ev.usage, ev.dollars)
+    refused = ev.stop_reason is StopReason.REFUSAL
+    return replace(ended, model_failures=0, refusals=rec.refusals + refused)
 
 
 def _model_cancelled(rec: TrajectoryRecord, ev: ModelCallCancelled) -> TrajectoryRecord:
@@ -95,7 +115,17 @@ def _model_cancelled(rec: TrajectoryRecord, ev: ModelCallCancelled) -> Trajector
 
 
 def _model_failed(rec: TrajectoryRecord, ev: ModelCallFailed) -> TrajectoryRecord:
-    return _model_ended(rec, ev, ModelOutcome.FAILED, ev.usage, ev.dollars)
+    ended = _model_ended(rec, ev, ModelOutcome.FAILED, ev.usage, ev.dollars)
+    if not ev.rate_limited:
+        return replace(ended, model_failures=rec.model_failures + 1)
+    # A 429 is admission feedback, not a failure of the model (issue 15): the turn it consumed is given back
+    # (whatever the provider billed stays charged), and the consecutive-failure count is untouched.
+    turns = ended.spend.get(Dimension.TURNS)
+    return replace(
+        ended,
+        turn_count=max(0, rec.turn_count - 1),
+        spend=ended.spend.with_value(Dimension.TURNS, max(0.0, turns - 1.0)),
+    )
 
 
 _PARSED = frozenset(
@@ -111,12 +141,14 @@ def _observation(rec: TrajectoryRecord, ev: ObservationAppended) -> TrajectoryRe
             refuse(rec, ev, "reply_not_parseable", "an aborted or failed call has no reply to append")
         if ev.tool_calls and rec.model_call.outcome is not ModelOutcome.TOOL_USE:
             refuse(rec, ev, "truncated_reply_not_parsed", "only a tool_use reply proposes calls")
-    return rec
+    return replace(rec, transcript=(*rec.transcript, ev))
 
 
 HANDLERS: Mapping[type, Handler] = {
     TrajectoryCreated: _created,
     CompletionChecked: _completion_checked,
+    TurnRequested: _turn_requested,
+    TurnAbandoned: _turn_abandoned,
     TurnStarted: _turn_started,
     ModelCallIntent: _model_intent,
     ModelCallSettled: _model_settled,

@@ -1,8 +1,8 @@
 """Completion checks: the harness's external verdict on a model's claim that it is done.
 
 An ``end_turn`` reply is a request to run the task contract's check, never success by itself (harness
-chapter, "The completion path"). Checks read only what the harness recorded — accepted tool results and
-the operation table — never the model's text.
+chapter, "The completion path"). Checks read only what the runtime recorded — accepted tool results, results
+a probe recovered for a call whose reply was lost, and the operation table — never the model's text.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from runtime.events import Event, ToolResultAccepted
-from runtime.ports import Settlement
+from runtime.events import Event, OperationSettled, ToolResultAccepted
+from runtime.ports import OutcomeClass, Settlement
 from runtime.record import CompletionCheck, TrajectoryRecord
 
 __all__ = ["CHECKS", "CheckResult", "evaluate_completion"]
+
+_SUCCESS = OutcomeClass.SUCCESS
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +26,15 @@ class CheckResult:
 
 
 def _accepted(events: Iterable[Event]) -> list[ToolResultAccepted]:
-    return [ev for ev in events if isinstance(ev, ToolResultAccepted)]
+    """Every call's results in order: accepted replies, and results recovered by a probe after the reply
+    was lost (they count as the call's result: the endpoint's own record established them)."""
+    out: list[ToolResultAccepted] = []
+    for ev in events:
+        if isinstance(ev, ToolResultAccepted):
+            out.append(ev)
+        elif isinstance(ev, OperationSettled) and ev.call_id is not None and not ev.by_operator:
+            out.append(ToolResultAccepted(ev.call_id, ev.settlement, _SUCCESS, ev.result, None))
+    return out
 
 
 def _always(check: CompletionCheck, record: TrajectoryRecord, events: list[Event]) -> CheckResult:

@@ -18,9 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from runtime.events import (
+    ChildCancelled,
+    ChildSettled,
     Event,
     ObservationAppended,
     ObservationKind,
+    OperationSettled,
     ToolCallCancelled,
     ToolCallTimedOut,
     ToolResultAccepted,
@@ -60,6 +63,18 @@ def build_messages(events: Iterable[Event], system_prompt: str | None = None) ->
             answers.setdefault(
                 ev.call_id,
                 json.dumps({"status": "IN_DOUBT", "message": f"Cancelled ({ev.reason}); outcome unknown."}),
+            )
+        elif isinstance(ev, OperationSettled) and ev.call_id is not None:
+            body: dict[str, Any] = {"status": ev.settlement.value.upper(), "recovered": ev.evidence}
+            if ev.settlement is Settlement.ESTABLISHED:
+                body["result"] = ev.result
+            answers[ev.call_id] = json.dumps(body, sort_keys=True, ensure_ascii=False, default=str)
+        elif isinstance(ev, ChildSettled):  # issue 12: a delegated call's answer is its child's report
+            answers[ev.call_id] = json.dumps(dict(ev.report), sort_keys=True, ensure_ascii=False, default=str)
+        elif isinstance(ev, ChildCancelled):
+            answers.setdefault(
+                ev.call_id,
+                json.dumps({"status": "CANCELLED", "message": f"The child was stopped ({ev.reason})."}),
             )
         elif isinstance(ev, ObservationAppended) and ev.observation is ObservationKind.REFUSAL:
             assert ev.call_id is not None  # guaranteed by ObservationAppended's own validation

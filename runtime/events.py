@@ -16,15 +16,23 @@ Model calls
   ``ModelCallIntent``     the admitted call is about to be sent (scheduler grant, ``max_tokens``, deadline)
   ``ModelCallSettled``    the reply ended with a stop reason; provider usage and its price are charged
   ``ModelCallCancelled``  the harness aborted the stream; billed usage is still charged, nothing is parsed
-  ``ModelCallFailed``     error or timeout; any billed usage is charged
+  ``ModelCallFailed``     error or timeout; any billed usage is charged (``rate_limited``: a 429, which is
+                          admission feedback: no failure counted, and the turn is given back)
+  ``TurnRequested``       the next turn asked the scheduler for admission (request id, estimate)
+  ``TurnAbandoned``       that request no longer stands (refused, superseded by control, actor restarted)
   ``ObservationAppended`` something the harness chose to put in the context (user/interrupt message, the
                           model's reply, a notice, a refusal for a call id, an error)
 Tools and approval
-  ``ToolCallHeld``        an irreversible call goes to escrow (call, digest, expiry, preconditions)
+  ``CallObserved``        a proposed call as the watchdog saw it (fingerprints), valid or not
+  ``ToolCallHeld``        an irreversible call goes to escrow (call, digest, expiry, quorum, roles)
+  ``ApprovalVoted``       one verified approval of the held digest (approvals accumulate to the quorum)
   ``ApprovalDecided``     approved / denied / expired, with the issuers that formed the decision
   ``ApprovalRechecked``   the pre-dispatch re-check (digest, preconditions, grant, budget) passed or not
+  ``ToolCallQueued``      an accepted call waits to be sent: for its permits, a retry backoff or a probe
+  ``ToolCallWithdrawn``   a queued call will not be sent (stop requested, breaker open, not admitted)
   ``ToolDispatchIntent``  intent before effect: call, effect key, operation and attempt ids, deadline,
-                          bounded liability, compensation template, repeat contract, approval digest
+                          bounded liability, compensation template, repeat contract, approval digest,
+                          the permits it holds
   ``ToolJobStarted``      a long-running call returned a job handle
   ``ToolResultAccepted``  a result for a still-pending call in WAITING_TOOL: settles the operation
   ``ToolCallTimedOut``    the deadline passed: the id leaves the pending set (this event is the timeout
@@ -34,6 +42,17 @@ Tools and approval
 Control and audit
   ``ControlRequested`` / ``ControlApplied``  recorded on arrival, applied at a turn boundary
   ``ControlRejected``     audit: a message refused (forged, replayed, expired, terminal trajectory, ...)
+Timers
+  ``TimerStarted`` / ``TimerFired`` / ``TimerCancelled``  a timer armed, fired (an input), or disarmed
+Obligations, cleanup and handoff (``runtime.obligations``)
+  ``ObligationRegistered`` a compensation template, logged with the forward call's intent (before dispatch)
+  ``ObligationBound``     correlated evidence bound the template's target (e.g. the created env id)
+  ``ObligationUpdated``   its state moved (admitting, running, verifying, discharged, stuck, handed off...)
+                          with the evidence that moved it
+  ``CleanupDispatched`` / ``CleanupSettled``  the compensation's own operation: intent, then its outcome
+  ``HandoffWritten``      the handoff packet (goal, what was done, what is pending, why it stopped, ...)
+  ``OperatorActed``       an operator settled or handed off an operation or obligation (signed, audited)
+  ``RepairEpisodeChanged`` a repair episode opened, counted an admitted attempt, closed or was exhausted
   ``LateResultDropped``   audit: a result for a call that is not pending (never an accepted result)
 Budget, grants, pointers
   ``BudgetCharged``       additive charge per dimension (tool charges, sandbox seconds, ...)
@@ -42,6 +61,15 @@ Budget, grants, pointers
   ``GrantNarrowed``       the grant shrinks (restrict stage, escalation); it never widens
   ``LeaseAcquired`` / ``LeaseReleased``  workspace, credential and sandbox leases
   ``PointerMoved``        context / workspace / snapshot / plan reference changed
+Supervision (issue 12)
+  ``HoldPlaced`` / ``HoldReleased``  the one hold flag (watchdog, control, incident) set and lifted
+  ``WatchdogFired``       a detector fired; the ladder's answer (inform, constrain, hold) and the evidence
+  ``ProgressObserved``    the declared task state's digest after a turn (turn-level detectors)
+  ``CallWithheld``        supervision withheld a proposed call before dispatch
+  ``EscalationOpened`` / ``EscalationAcknowledged`` / ``EscalationResolved``  owner, SLA, custody
+  ``IncidentOpened``      this trajectory opened an incident (a disclosure rule)
+  ``RungChanged``         the degradation ladder moved the trajectory down a rung
+  ``ChildSpawned`` / ``ChildSettled`` / ``ChildCancelled``  delegation to child trajectories
 """
 
 from __future__ import annotations
@@ -53,7 +81,18 @@ from enum import StrEnum
 from typing import ClassVar, TypeAlias
 
 from runtime.budget import BudgetStage
-from runtime.ports import OutcomeClass, Settlement, StopReason, ToolCallProposal, Usage
+from runtime.degradation import Rung
+from runtime.incident import HoldKind
+from runtime.obligations import ObligationState
+from runtime.ports import (
+    GuardPermit,
+    OutcomeClass,
+    SandboxPermit,
+    Settlement,
+    StopReason,
+    ToolCallProposal,
+    Usage,
+)
 from runtime.record import (
     ApprovalDecision,
     CallLimits,
@@ -61,22 +100,40 @@ from runtime.record import (
     Grants,
     JsonValue,
     LeaseKind,
+    QueueStage,
     TaskContract,
+    TimerKind,
 )
+from runtime.repair import EpisodeState, RepairChoice
 from runtime.states import ExitReason, TrajectoryState
 
 __all__ = [
     "EVENT_TYPES",
     "ApprovalDecided",
     "ApprovalRechecked",
+    "ApprovalVoted",
     "BudgetCharged",
     "BudgetStageChanged",
+    "CallObserved",
+    "CallWithheld",
+    "ChildCancelled",
+    "ChildSettled",
+    "ChildSpawned",
+    "CleanupDispatched",
+    "CleanupSettled",
     "CompletionChecked",
     "ControlApplied",
     "ControlRejected",
     "ControlRequested",
+    "EscalationAcknowledged",
+    "EscalationOpened",
+    "EscalationResolved",
     "Event",
     "GrantNarrowed",
+    "HandoffWritten",
+    "HoldPlaced",
+    "HoldReleased",
+    "IncidentOpened",
     "LateResultDropped",
     "LeaseAcquired",
     "LeaseReleased",
@@ -84,22 +141,37 @@ __all__ = [
     "ModelCallFailed",
     "ModelCallIntent",
     "ModelCallSettled",
+    "ObligationBound",
+    "ObligationRegistered",
+    "ObligationUpdated",
     "ObservationAppended",
     "ObservationKind",
     "OperationMarkedInDoubt",
     "OperationSettled",
+    "OperatorActed",
     "PointerMoved",
     "PointerName",
+    "ProgressObserved",
+    "RepairEpisodeChanged",
+    "RungChanged",
     "StateChanged",
+    "TimerCancelled",
+    "TimerFired",
+    "TimerStarted",
     "ToolCallCancelled",
     "ToolCallHeld",
+    "ToolCallQueued",
     "ToolCallTimedOut",
+    "ToolCallWithdrawn",
     "ToolDispatchIntent",
     "ToolJobStarted",
     "ToolResultAccepted",
     "TrajectoryCreated",
+    "TurnAbandoned",
+    "TurnRequested",
     "TurnStarted",
     "WallClockMeasured",
+    "WatchdogFired",
 ]
 
 
@@ -199,6 +271,28 @@ class CompletionChecked:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnRequested:
+    kind: ClassVar[str] = "turn_requested"
+    request_id: str
+    estimated_tokens: int  # prompt estimate + max_tokens: what admission reserves
+    max_tokens: int
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        _id(self.request_id, "request_id")
+        _check(self.max_tokens > 0, "max_tokens must be > 0")
+        _check(self.prompt_tokens >= 0, "prompt_tokens must be >= 0")
+        _check(self.estimated_tokens >= self.max_tokens, "the estimate includes max_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnAbandoned:
+    kind: ClassVar[str] = "turn_abandoned"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TurnStarted:
     kind: ClassVar[str] = "turn_started"
     turn: int
@@ -230,6 +324,7 @@ class ModelCallSettled:
     stop_reason: StopReason
     usage: Usage
     dollars: float
+    usage_estimated: bool = False  # the provider reported no usage: metered from the adapter's estimate
 
     def __post_init__(self) -> None:
         _check(self.stop_reason is not StopReason.CANCELED, "an aborted stream is ModelCallCancelled")
@@ -256,6 +351,7 @@ class ModelCallFailed:
     retryable: bool
     usage: Usage = field(default_factory=Usage)
     dollars: float = 0.0
+    rate_limited: bool = False
 
     def __post_init__(self) -> None:
         _usage(self.usage)
@@ -285,6 +381,22 @@ class ObservationAppended:
 
 
 @dataclass(frozen=True, slots=True)
+class CallObserved:
+    """A proposed call as the watchdog saw it, before anything else happened to it: fingerprints of the
+    exact call and of its (tool, target) pair, the task-state digest when one is captured. Locally rejected
+    calls are observed too: an invalid call repeated every turn is a loop like any other."""
+
+    kind: ClassVar[str] = "call_observed"
+    call_id: str
+    tool: str
+    call_fingerprint: str
+    coarse_fingerprint: str | None = None
+    state_digest: str | None = None
+    waiting_on_job: bool = False
+    fired: str | None = None  # the detector that fired on this step (evidence; the step is recorded anyway)
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallHeld:
     kind: ClassVar[str] = "tool_call_held"
     call_id: str
@@ -293,12 +405,30 @@ class ToolCallHeld:
     digest: str
     expires_at: float
     preconditions: Mapping[str, JsonValue] = field(default_factory=dict)
+    requested_at: float = 0.0
+    quorum: int = 1
+    required_roles: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         _id(self.call_id, "call_id")
         _id(self.tool, "tool")
         _id(self.digest, "digest")
         _time(self.expires_at, "expires_at")
+        _time(self.requested_at, "requested_at")
+        _check(self.quorum >= 1, "quorum must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalVoted:
+    kind: ClassVar[str] = "approval_voted"
+    digest: str
+    issuer: str
+    roles: frozenset[str]
+    at: float
+
+    def __post_init__(self) -> None:
+        _id(self.issuer, "issuer")
+        _time(self.at, "at")
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +465,29 @@ class ApprovalRechecked:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallQueued:
+    kind: ClassVar[str] = "tool_call_queued"
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    stage: QueueStage
+    request_id: str
+    operation_id: str | None = None
+    approval_digest: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("call_id", "tool", "request_id"):
+            _id(getattr(self, name), name)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallWithdrawn:
+    kind: ClassVar[str] = "tool_call_withdrawn"
+    call_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolDispatchIntent:
     kind: ClassVar[str] = "tool_dispatch_intent"
     call_id: str
@@ -348,6 +501,9 @@ class ToolDispatchIntent:
     compensation: str | None = None
     repeat_safe: bool = False
     approval_digest: str | None = None
+    guard_permit: GuardPermit | None = None
+    sandbox_permit: SandboxPermit | None = None
+    at: float = 0.0  # when the attempt was decided (epoch seconds): how long an unknown outcome has waited
 
     def __post_init__(self) -> None:
         for name in ("call_id", "tool", "effect_key", "operation_id", "attempt_id"):
@@ -406,10 +562,17 @@ class OperationMarkedInDoubt:
 
 @dataclass(frozen=True, slots=True)
 class OperationSettled:
+    """Correlated evidence settled an operation: a late reply, a probe (``result``: the endpoint's stored
+    reply, so a recovered provisioning binds its resource), or an operator (``by_operator``: accepted as
+    their word, recorded as such)."""
+
     kind: ClassVar[str] = "operation_settled"
     operation_id: str
     settlement: Settlement
     evidence: str
+    result: JsonValue = None
+    call_id: str | None = None  # the model's call it answers (so its context shows the recovered result)
+    by_operator: bool = False
 
     def __post_init__(self) -> None:
         _check(self.settlement is not Settlement.UNKNOWN, "only evidence of an outcome settles an operation")
@@ -435,8 +598,13 @@ class ControlRequested:
 
 @dataclass(frozen=True, slots=True)
 class ControlApplied:
+    """A recorded request was applied, or (``refused`` set) recorded and then refused when applied: an
+    approval naming a stale digest is audited and changes nothing else."""
+
     kind: ClassVar[str] = "control_applied"
     message_id: str
+    refused: str | None = None
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +632,148 @@ class LateResultDropped:
 
     def __post_init__(self) -> None:
         _id(self.reason, "reason")
+
+
+# --------------------------------------------------------------------------- timers
+
+
+@dataclass(frozen=True, slots=True)
+class TimerStarted:
+    kind: ClassVar[str] = "timer_started"
+    timer_id: str
+    timer_kind: TimerKind
+    due_at: float
+    subject: str = ""
+
+    def __post_init__(self) -> None:
+        _id(self.timer_id, "timer_id")
+        _check(not any(c.isspace() for c in self.timer_id), "timer_id must not contain spaces")
+        _time(self.due_at, "due_at")
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    kind: ClassVar[str] = "timer_fired"
+    timer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TimerCancelled:
+    kind: ClassVar[str] = "timer_cancelled"
+    timer_id: str
+
+
+# --------------------------------------------------------------------------- obligations and handoff
+
+
+@dataclass(frozen=True, slots=True)
+class ObligationRegistered:
+    kind: ClassVar[str] = "obligation_registered"
+    obligation_id: str
+    operation_id: str
+    forward_tool: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    unbound: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    on_completion: bool = False
+    postcondition: Mapping[str, JsonValue] = field(default_factory=dict)
+    duty: str = "compensation"  # or "outbox": a pivot's follow-up duty
+    at: float = 0.0  # when it was registered (epoch seconds)
+
+    def __post_init__(self) -> None:
+        for name in ("obligation_id", "operation_id", "forward_tool", "tool"):
+            _id(getattr(self, name), name)
+
+
+@dataclass(frozen=True, slots=True)
+class ObligationBound:
+    kind: ClassVar[str] = "obligation_bound"
+    obligation_id: str
+    arguments: Mapping[str, JsonValue]
+    resource: str
+    evidence: str
+
+
+@dataclass(frozen=True, slots=True)
+class ObligationUpdated:
+    kind: ClassVar[str] = "obligation_updated"
+    obligation_id: str
+    state: ObligationState
+    evidence: str
+    owner: str = ""
+    request_id: str | None = None
+    accepted_risk: bool = False
+
+    def __post_init__(self) -> None:
+        _id(self.evidence, "evidence")
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupDispatched:
+    kind: ClassVar[str] = "cleanup_dispatched"
+    obligation_id: str
+    operation_id: str
+    attempt_id: str
+    effect_key: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    deadline: float
+    guard_permit: GuardPermit | None = None
+    sandbox_permit: SandboxPermit | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("obligation_id", "operation_id", "attempt_id", "effect_key", "tool"):
+            _id(getattr(self, name), name)
+        _time(self.deadline, "deadline")
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupSettled:
+    kind: ClassVar[str] = "cleanup_settled"
+    obligation_id: str
+    settlement: Settlement
+    outcome_class: OutcomeClass
+    result: JsonValue = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffWritten:
+    kind: ClassVar[str] = "handoff_written"
+    packet: Mapping[str, JsonValue]
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorActed:
+    """An operator's signed decision about an effect (``tether settle``, ``tether handoff``), applied
+    whatever state the trajectory is in (obligations outlive the loop)."""
+
+    kind: ClassVar[str] = "operator_acted"
+    message_id: str
+    action: ControlAction
+    issuer: str
+    target: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _id(self.message_id, "message_id")
+        _id(self.issuer, "issuer")
+
+
+@dataclass(frozen=True, slots=True)
+class RepairEpisodeChanged:
+    kind: ClassVar[str] = "repair_episode_changed"
+    tool: str
+    episode_id: str
+    state: EpisodeState
+    attempts: int
+    cap: int
+    choice: RepairChoice
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check(self.attempts >= 0 and self.cap >= 0, "attempts and cap are >= 0")
 
 
 # --------------------------------------------------------------------------- budget, grants, pointers
@@ -540,19 +850,222 @@ class PointerMoved:
         _id(self.ref, "ref")
 
 
+# --------------------------------------------------------------------------- supervision (issue 12)
+#
+# Holds, the watchdog ladder, escalations, incidents, the degradation ladder and delegation. Their rules are
+# in ``runtime._decide_supervise`` / ``runtime._decide_children``; their handlers in
+# ``runtime._handlers_supervise``.
+
+
+@dataclass(frozen=True, slots=True)
+class HoldPlaced:
+    """The hold flag is set: no new model-directed work (a watchdog's, an operator's or an incident's)."""
+
+    kind: ClassVar[str] = "hold_placed"
+    hold_kind: HoldKind
+    reason: str
+    issuer: str
+    at: float
+    incident_id: str | None = None
+    escalation_id: str | None = None
+    guard: str | None = None
+    expires_at: float | None = None
+
+    def __post_init__(self) -> None:
+        _id(self.issuer, "issuer")
+        _time(self.at, "at")
+        _check(self.hold_kind is not HoldKind.INCIDENT or bool(self.incident_id), "an incident hold names it")
+
+
+@dataclass(frozen=True, slots=True)
+class HoldReleased:
+    kind: ClassVar[str] = "hold_released"
+    hold_kind: HoldKind
+    issuer: str
+    reason: str = ""
+    incident_id: str | None = None  # an incident's hold lifts when its last incident is released
+
+    def __post_init__(self) -> None:
+        _id(self.issuer, "issuer")
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogFired:
+    """A detector fired and the ladder answered with ``rung`` (its ``count``-th firing since a release).
+    ``evidence``: the finding (window indices, fingerprints or digests), as the escalation carries it."""
+
+    kind: ClassVar[str] = "watchdog_fired"
+    guard: str
+    rung: str
+    count: int
+    detail: str
+    call_id: str | None = None
+    evidence: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _id(self.guard, "guard")
+        _check(self.count >= 1, "count must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressObserved:
+    """The declared task state's digest after turn ``turn`` (None: no projection declared), one step of
+    the turn-level detectors; ``waiting_on_job``: the turn only polled a running job (exempt)."""
+
+    kind: ClassVar[str] = "progress_observed"
+    turn: int
+    digest: str | None
+    waiting_on_job: bool
+    results_seen: int
+
+    def __post_init__(self) -> None:
+        _check(self.turn >= 1 and self.results_seen >= 0, "turn >= 1 and results_seen >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class CallWithheld:
+    """Supervision withheld a proposed call before dispatch (watchdog, disclosure rule, hold)."""
+
+    kind: ClassVar[str] = "call_withheld"
+    call_id: str
+    tool: str
+    by: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EscalationOpened:
+    kind: ClassVar[str] = "escalation_opened"
+    escalation_id: str
+    trigger: str
+    summary: str
+    owner: str
+    opened_at: float
+    due_at: float
+    evidence: Mapping[str, JsonValue] = field(default_factory=dict)
+    handoff: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("escalation_id", "trigger", "owner"):
+            _id(getattr(self, name), name)
+        _time(self.opened_at, "opened_at")
+        _time(self.due_at, "due_at")
+        _check(self.due_at >= self.opened_at, "due_at is not before opened_at")
+
+
+@dataclass(frozen=True, slots=True)
+class EscalationAcknowledged:
+    """Custody transferred to ``custodian``, the verified signer of control message ``message_id``."""
+
+    kind: ClassVar[str] = "escalation_acknowledged"
+    escalation_id: str
+    custodian: str
+    at: float
+    message_id: str
+
+    def __post_init__(self) -> None:
+        _id(self.custodian, "custodian")
+        _time(self.at, "at")
+
+
+@dataclass(frozen=True, slots=True)
+class EscalationResolved:
+    kind: ClassVar[str] = "escalation_resolved"
+    escalation_id: str
+    resolution: str
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentOpened:
+    """This trajectory opened an incident itself (a disclosure rule): symptom and suspected cause apart."""
+
+    kind: ClassVar[str] = "incident_opened"
+    incident_id: str
+    symptom: str
+    suspected_cause: str
+    evidence: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _id(self.incident_id, "incident_id")
+        _id(self.symptom, "symptom")
+
+
+@dataclass(frozen=True, slots=True)
+class RungChanged:
+    """The degradation ladder moved the trajectory to ``rung`` on ``trigger``."""
+
+    kind: ClassVar[str] = "rung_changed"
+    rung: Rung
+    trigger: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpawned:
+    """A delegated call became a child trajectory; its allocation is charged to this one at once."""
+
+    kind: ClassVar[str] = "child_spawned"
+    child_id: str
+    call_id: str
+    goal: str
+    allocation: Mapping[str, float]
+    deadline: float
+
+    def __post_init__(self) -> None:
+        _id(self.child_id, "child_id")
+        _time(self.deadline, "deadline")
+        for dim, amount in self.allocation.items():
+            _amount(amount, f"allocation.{dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSettled:
+    """A child ended: the parent's verdict on its evidence, and what it really spent (which replaces its
+    allocation in this trajectory's spend). ``report`` is what the parent's model is told."""
+
+    kind: ClassVar[str] = "child_settled"
+    child_id: str
+    call_id: str
+    verified: bool
+    detail: str
+    spent: Mapping[str, float]
+    report: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for dim, amount in self.spent.items():
+            _amount(amount, f"spent.{dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildCancelled:
+    """Cancel or kill cascaded to a child: the parent stops waiting for it (its allocation stays charged
+    until its evidence arrives)."""
+
+    kind: ClassVar[str] = "child_cancelled"
+    child_id: str
+    call_id: str
+    reason: str
+
+
 Event: TypeAlias = (
     TrajectoryCreated
     | StateChanged
     | CompletionChecked
+    | TurnRequested
+    | TurnAbandoned
     | TurnStarted
     | ModelCallIntent
     | ModelCallSettled
     | ModelCallCancelled
     | ModelCallFailed
     | ObservationAppended
+    | CallObserved
     | ToolCallHeld
+    | ApprovalVoted
     | ApprovalDecided
     | ApprovalRechecked
+    | ToolCallQueued
+    | ToolCallWithdrawn
     | ToolDispatchIntent
     | ToolJobStarted
     | ToolResultAccepted
@@ -564,6 +1077,17 @@ Event: TypeAlias = (
     | ControlApplied
     | ControlRejected
     | LateResultDropped
+    | TimerStarted
+    | TimerFired
+    | TimerCancelled
+    | ObligationRegistered
+    | ObligationBound
+    | ObligationUpdated
+    | CleanupDispatched
+    | CleanupSettled
+    | HandoffWritten
+    | OperatorActed
+    | RepairEpisodeChanged
     | BudgetCharged
     | WallClockMeasured
     | BudgetStageChanged
@@ -571,6 +1095,19 @@ Event: TypeAlias = (
     | LeaseAcquired
     | LeaseReleased
     | PointerMoved
+    | HoldPlaced
+    | HoldReleased
+    | WatchdogFired
+    | ProgressObserved
+    | CallWithheld
+    | EscalationOpened
+    | EscalationAcknowledged
+    | EscalationResolved
+    | IncidentOpened
+    | RungChanged
+    | ChildSpawned
+    | ChildSettled
+    | ChildCancelled
 )
 """Any trajectory event."""
 
@@ -580,15 +1117,21 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         TrajectoryCreated,
         StateChanged,
         CompletionChecked,
+        TurnRequested,
+        TurnAbandoned,
         TurnStarted,
         ModelCallIntent,
         ModelCallSettled,
         ModelCallCancelled,
         ModelCallFailed,
         ObservationAppended,
+        CallObserved,
         ToolCallHeld,
+        ApprovalVoted,
         ApprovalDecided,
         ApprovalRechecked,
+        ToolCallQueued,
+        ToolCallWithdrawn,
         ToolDispatchIntent,
         ToolJobStarted,
         ToolResultAccepted,
@@ -600,6 +1143,17 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         ControlApplied,
         ControlRejected,
         LateResultDropped,
+        TimerStarted,
+        TimerFired,
+        TimerCancelled,
+        ObligationRegistered,
+        ObligationBound,
+        ObligationUpdated,
+        CleanupDispatched,
+        CleanupSettled,
+        HandoffWritten,
+        OperatorActed,
+        RepairEpisodeChanged,
         BudgetCharged,
         WallClockMeasured,
         BudgetStageChanged,
@@ -607,6 +1161,19 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         LeaseAcquired,
         LeaseReleased,
         PointerMoved,
+        HoldPlaced,
+        HoldReleased,
+        WatchdogFired,
+        ProgressObserved,
+        CallWithheld,
+        EscalationOpened,
+        EscalationAcknowledged,
+        EscalationResolved,
+        IncidentOpened,
+        RungChanged,
+        ChildSpawned,
+        ChildSettled,
+        ChildCancelled,
     )
 }
 """Event class by its ``kind`` tag (what the codec writes and reads)."""

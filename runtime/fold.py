@@ -30,23 +30,40 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from runtime import _handlers_governance, _handlers_tools, _handlers_turn
+from runtime import (
+    _handlers_cleanup,
+    _handlers_governance,
+    _handlers_supervise,
+    _handlers_tools,
+    _handlers_turn,
+)
 from runtime._handlers_common import Handler, refuse
 from runtime.budget import BudgetCeilings, BudgetStage, Spend
 from runtime.decisions import expired_calls, on_control, on_tool_result, retry_of
 from runtime.errors import IllegalEvent, IllegalTransition, InvalidLog
 from runtime.events import (
+    ChildCancelled,
+    ChildSettled,
+    CleanupSettled,
     ControlRejected,
+    EscalationAcknowledged,
+    EscalationOpened,
+    EscalationResolved,
     Event,
     LateResultDropped,
+    ObligationBound,
+    ObligationUpdated,
     OperationMarkedInDoubt,
     OperationSettled,
+    OperatorActed,
     StateChanged,
     TrajectoryCreated,
 )
+from runtime.policy import TrajectoryPolicy
 from runtime.record import Pointers, TrajectoryRecord
 from runtime.states import TERMINAL_STATES, TrajectoryState
 from runtime.transitions import transition
+from runtime.watchdog import WatchdogState
 
 __all__ = [
     "AFTER_TERMINAL_KINDS",
@@ -63,7 +80,26 @@ __all__ = [
 S = TrajectoryState
 
 AFTER_TERMINAL_KINDS: frozenset[str] = frozenset(
-    {LateResultDropped.kind, ControlRejected.kind, OperationMarkedInDoubt.kind, OperationSettled.kind}
+    {
+        LateResultDropped.kind,
+        ControlRejected.kind,
+        OperationMarkedInDoubt.kind,
+        OperationSettled.kind,
+        ObligationBound.kind,
+        ObligationUpdated.kind,
+        CleanupSettled.kind,
+        OperatorActed.kind,
+    }
+) | frozenset(
+    # issue 12: escalations outlive the loop (operations in doubt at the end, custody taken afterwards),
+    # and a child's evidence settles what its parent was charged for it
+    {
+        EscalationOpened.kind,
+        EscalationAcknowledged.kind,
+        EscalationResolved.kind,
+        ChildSettled.kind,
+        ChildCancelled.kind,
+    }
 )
 """Events a terminal record still accepts. They record audit or settlement evidence and change no state:
 liability for an effect outlives the loop that caused it (recovery chapter), but nothing revives the loop."""
@@ -74,11 +110,14 @@ _HANDLERS: Mapping[type, Handler] = {
     **_handlers_turn.HANDLERS,
     **_handlers_tools.HANDLERS,
     **_handlers_governance.HANDLERS,
+    **_handlers_supervise.HANDLERS,  # issue 12
+    **_handlers_cleanup.HANDLERS,
 }
 
 
-def start(event: TrajectoryCreated) -> TrajectoryRecord:
-    """The record of a newly created trajectory, in READY."""
+def start(event: TrajectoryCreated, policy: TrajectoryPolicy | None = None) -> TrajectoryRecord:
+    """The record of a newly created trajectory, in READY, governed by ``policy`` (defaults without one)."""
+    policy = policy if policy is not None else TrajectoryPolicy()
     return TrajectoryRecord(
         trajectory_id=event.trajectory_id,
         parent_id=event.parent_id,
@@ -110,6 +149,8 @@ def start(event: TrajectoryCreated) -> TrajectoryRecord:
         audit=(),
         seen_control_ids=frozenset(),
         applied_control_ids=frozenset(),
+        watchdog=WatchdogState(policy.watchdog),
+        policy=policy,
     )
 
 
@@ -129,7 +170,7 @@ def apply(record: TrajectoryRecord, event: Event) -> TrajectoryRecord:
     return replace(updated, log_position=record.log_position + 1)
 
 
-def fold(events: Iterable[Event]) -> TrajectoryRecord:
+def fold(events: Iterable[Event], policy: TrajectoryPolicy | None = None) -> TrajectoryRecord:
     """Rebuild the record from a log. Raises ``InvalidLog`` (an ``InputError``) naming the entry index when
     the log does not start with ``TrajectoryCreated`` or holds an event ``apply`` refuses."""
     record: TrajectoryRecord | None = None
@@ -139,7 +180,7 @@ def fold(events: Iterable[Event]) -> TrajectoryRecord:
                 raise InvalidLog(
                     f"the first event must be trajectory_created, got {event.kind}", where="event[0]"
                 )
-            record = start(event)
+            record = start(event, policy)
             continue
         try:
             record = apply(record, event)

@@ -178,6 +178,69 @@ METRICS: dict[str, MetricSpec] = {
             "Unfinished trajectories held by this process, by state (kept from state changes).",
             ("state",),
         ),
+        # supervision (issue 12)
+        MetricSpec(
+            "tether_exit_reasons",
+            Kind.COUNTER,
+            "Trajectories that entered FINALIZING, by exit reason.",
+            ("reason",),
+        ),
+        MetricSpec(
+            "tether_watchdog_rungs",
+            Kind.COUNTER,
+            "Watchdog ladder answers (inform, constrain, hold), by detector and rung.",
+            ("guard", "rung"),
+        ),
+        MetricSpec(
+            "tether_holds", Kind.COUNTER, "Holds placed, by kind (watchdog, control, incident).", ("kind",)
+        ),
+        MetricSpec(
+            "tether_results",
+            Kind.COUNTER,
+            "Finished results by degradation rung and completeness status (degraded-result rate).",
+            ("rung", "status"),
+        ),
+        MetricSpec(
+            "tether_rung_changes", Kind.COUNTER, "Moves down the degradation ladder, by rung.", ("rung",)
+        ),
+        MetricSpec(
+            "tether_incidents_opened",
+            Kind.COUNTER,
+            "Incidents opened by a trajectory's own rule (a disclosure rule), by source.",
+            ("source",),
+        ),
+        MetricSpec(
+            "tether_children",
+            Kind.COUNTER,
+            "Child trajectories, by what became of them (spawned, verified, failed_check, cancelled).",
+            ("outcome",),
+        ),
+        MetricSpec(
+            "tether_escalations_open",
+            Kind.GAUGE,
+            "Escalations nobody has taken custody of yet, by trigger (the driver's view of the registry).",
+            ("trigger",),
+        ),
+        MetricSpec(
+            "tether_escalations_overdue",
+            Kind.GAUGE,
+            "Open escalations past their SLA, by trigger (the driver's view of the registry).",
+            ("trigger",),
+        ),
+        MetricSpec(
+            "tether_escalation_sla_missed",
+            Kind.COUNTER,
+            "Escalations that missed their SLA (not acknowledged by their due time), by trigger.",
+            ("trigger",),
+        ),
+        MetricSpec(
+            "tether_incidents", Kind.GAUGE, "Incidents in the incident store, by status.", ("status",)
+        ),
+        MetricSpec(
+            "tether_quarantined_artifacts",
+            Kind.GAUGE,
+            "Artifacts quarantined now (refused as input to any trajectory until released).",
+        ),
     )
 }
 """Every metric Tether exports, by base name."""
@@ -342,6 +405,43 @@ class Metrics:
         if count < 0:
             raise InputError(f"metric tether_actor_trajectories: count must be >= 0, got {count}")
         self._record("tether_actor_trajectories", Kind.GAUGE, count, {"state": state})
+
+    # supervision (issue 12)
+    def exited(self, reason: str) -> None:
+        self._record("tether_exit_reasons", Kind.COUNTER, 1, {"reason": reason})
+
+    def watchdog_rung(self, guard: str, rung: str) -> None:
+        self._record("tether_watchdog_rungs", Kind.COUNTER, 1, {"guard": guard, "rung": rung})
+
+    def hold_placed(self, kind: str) -> None:
+        self._record("tether_holds", Kind.COUNTER, 1, {"kind": kind})
+
+    def result(self, rung: str, status: str) -> None:
+        self._record("tether_results", Kind.COUNTER, 1, {"rung": rung, "status": status})
+
+    def rung_changed(self, rung: str) -> None:
+        self._record("tether_rung_changes", Kind.COUNTER, 1, {"rung": rung})
+
+    def incident_opened(self, source: str) -> None:
+        self._record("tether_incidents_opened", Kind.COUNTER, 1, {"source": source})
+
+    def child(self, outcome: str) -> None:
+        self._record("tether_children", Kind.COUNTER, 1, {"outcome": outcome})
+
+    def escalations_open(self, trigger: str, count: int) -> None:
+        self._record("tether_escalations_open", Kind.GAUGE, count, {"trigger": trigger})
+
+    def escalations_overdue(self, trigger: str, count: int) -> None:
+        self._record("tether_escalations_overdue", Kind.GAUGE, count, {"trigger": trigger})
+
+    def escalation_sla_missed(self, trigger: str) -> None:
+        self._record("tether_escalation_sla_missed", Kind.COUNTER, 1, {"trigger": trigger})
+
+    def incidents(self, status: str, count: int) -> None:
+        self._record("tether_incidents", Kind.GAUGE, count, {"status": status})
+
+    def quarantined_artifacts(self, count: int) -> None:
+        self._record("tether_quarantined_artifacts", Kind.GAUGE, count)
 
 
 _current: Metrics | None = None

@@ -1,23 +1,27 @@
-"""Harness events turned into operator metrics: ``MetricsHooks``, a ``HarnessHooks`` that records through an
-injected :class:`runtime.metrics.Metrics`.
+"""Trajectory events turned into operator metrics: ``MetricsHooks``, a ``TrajectoryHooks`` that records
+through an injected :class:`runtime.metrics.Metrics`.
 
-Everything here is read off the events the harness appends (and the record each one produced), so a signal is
-counted once, when the durable log says it happened. A restarted actor folds its log without calling hooks,
-so nothing is counted twice after a crash; what the old incarnation saw was already exported by it.
+Everything here is read off the events the interpreter appends (and the record each one produced), so a
+signal is counted once, when the durable log says it happened. A restarted actor folds its log without
+calling hooks, so nothing is counted twice after a crash; what the old incarnation saw was already exported.
 
 Mapping (reliability guide §12.5 "signals worth watching", plus the control plane):
 
 =============================  ==========================================================================
 signal                         recorded when
 =============================  ==========================================================================
-guard firing, by guard         a watchdog finalizes the trajectory (``ERROR``, "watchdog <guard> stopped a
-                               loop"); a proposed call is rejected locally (schema, unknown tool, grant) or
+guard firing, by guard         a watchdog detector fires (``WatchdogFired``; its ladder rung is counted
+                               too); a proposed call is rejected locally (schema, unknown tool, grant) or
                                refused by its dependency's guard (breaker open, bulkhead full, queued past
                                its deadline)
 budget exhaustion, dimension   entering FINALIZING with ``BUDGET_EXCEEDED``; the binding dimension is the
                                record's (set by the halt assessment just before)
-escalations, by trigger        ``EscalationTrigger``: a call held for approval, a completion check that
-                               rejected the claim, a model refusal, an operator's pause / kill / cancel
+escalations, by trigger        every ``EscalationOpened`` (``runtime.escalation.EscalationTrigger``: approval,
+                               verification, budget, guard, novelty, unknown outcome, incident, delegation,
+                               degraded), a model refusal, an operator's pause / kill / cancel
+exit reasons, rungs, holds     entering FINALIZING (by exit reason); each result by rung and status (the
+                               degraded-result rate); holds by kind; moves down the degradation ladder;
+                               incidents a trajectory opened; children by outcome
 finished, by outcome           FINALIZING -> terminal; ``partial`` is FAILED with an established effect
 steps to completion            turns at COMPLETED (histogram; only completed trajectories)
 retry ratio                    every ``ToolDispatchIntent`` is an attempt; its operation's first attempt a
@@ -28,7 +32,7 @@ trajectories by state          a per-process census moved on every state change 
 
 Duplicate effects are not measured here: "applied twice" is only visible to the system holding the effect,
 so the testbed's independent ledger counts them. A metric that cannot be recorded never fails the trajectory:
-``on_event`` runs inside the harness's append, so errors are logged and swallowed.
+``on_event`` runs inside the interpreter's append, so errors are logged and swallowed.
 """
 
 from __future__ import annotations
@@ -39,24 +43,31 @@ import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+from typing import Protocol
 
 from runtime.clock import Clock
+from runtime.degradation import result_of
+from runtime.escalation import EscalationTrigger
 from runtime.events import (
-    CompletionChecked,
+    ChildCancelled,
+    ChildSettled,
+    ChildSpawned,
     ControlApplied,
     ControlRequested,
+    EscalationOpened,
     Event,
+    HoldPlaced,
+    IncidentOpened,
     ModelCallSettled,
     ObservationAppended,
     ObservationKind,
     OperationSettled,
+    RungChanged,
     StateChanged,
-    ToolCallHeld,
     ToolDispatchIntent,
     ToolResultAccepted,
+    WatchdogFired,
 )
-from runtime.harness import HarnessHooks
 from runtime.metrics import Metrics, Outcome
 from runtime.ports import Settlement, StopReason
 from runtime.record import ControlAction, TrajectoryRecord
@@ -69,6 +80,7 @@ __all__ = [
     "HookChain",
     "MetricsHooks",
     "StateCensus",
+    "TrajectoryHooks",
     "outcome_of",
     "watchdog_guard",
 ]
@@ -77,15 +89,13 @@ S = TrajectoryState
 _log = logging.getLogger(__name__)
 
 
-class EscalationTrigger(StrEnum):
-    """Why a person was brought in (reliability guide §8.2 triggers, as this runtime meets them)."""
+class TrajectoryHooks(Protocol):
+    """Extension points of a trajectory's interpreter, with no-op defaults: every durable event (with the
+    record it produced), and a kill (the sandbox teardown)."""
 
-    APPROVAL_REQUEST = "approval_request"  # policy: an irreversible call held in escrow for a person
-    VERIFICATION = "verification"  # the external completion check rejected a completion claim
-    REFUSAL = "refusal"  # the model refused to continue
-    PAUSE = "pause"  # an operator paused the trajectory
-    KILL = "kill"  # an operator killed it
-    CANCEL = "cancel"  # an operator cancelled it
+    def on_event(self, record: TrajectoryRecord, event: Event) -> None: ...
+
+    async def on_kill(self, record: TrajectoryRecord) -> None: ...
 
 
 _CONTROL_TRIGGERS: Mapping[ControlAction, EscalationTrigger] = {
@@ -139,7 +149,7 @@ class StateCensus:
     """How many unfinished trajectories this process holds in each state, moved by state changes.
 
     Terminal states are not held: a finished trajectory leaves the census (``tether_trajectories_finished``
-    counts it). Thread-safe, because several harnesses of one process may share it.
+    counts it). Thread-safe, because several trajectories of one process may share it.
     """
 
     def __init__(self) -> None:
@@ -172,9 +182,9 @@ class _Track:
 
 
 class MetricsHooks:
-    """``HarnessHooks`` recording §12.5 signals through ``metrics``; ``clock`` times control latency.
+    """``TrajectoryHooks`` recording §12.5 signals through ``metrics``; ``clock`` times control latency.
 
-    One instance may serve several harnesses in a process (state is kept per trajectory id), and instances
+    One instance may serve several trajectories in a process (state is kept per trajectory id), and instances
     given the same ``census`` share the trajectories-by-state counts.
     """
 
@@ -230,14 +240,26 @@ class MetricsHooks:
             if requested is not None:  # requested before a restart: only this side was seen, not timed
                 action, at = requested
                 m.control_latency(action.value, max(0.0, self.clock.now() - at))
-        elif isinstance(event, ToolCallHeld):
-            m.escalated(EscalationTrigger.APPROVAL_REQUEST.value)
         elif isinstance(event, ModelCallSettled):
             if event.stop_reason is StopReason.REFUSAL:
                 m.escalated(EscalationTrigger.REFUSAL.value)
-        elif isinstance(event, CompletionChecked):
-            if not event.passed:
-                m.escalated(EscalationTrigger.VERIFICATION.value)
+        elif isinstance(event, EscalationOpened):  # issue 12: every escalation record, by trigger
+            m.escalated(event.trigger)
+        elif isinstance(event, WatchdogFired):
+            m.guard_fired(event.guard)
+            m.watchdog_rung(event.guard, event.rung)
+        elif isinstance(event, HoldPlaced):
+            m.hold_placed(event.hold_kind.value)
+        elif isinstance(event, RungChanged):
+            m.rung_changed(event.rung.value)
+        elif isinstance(event, IncidentOpened):
+            m.incident_opened("disclosure_rule")
+        elif isinstance(event, ChildSpawned):
+            m.child("spawned")
+        elif isinstance(event, ChildSettled):
+            m.child("verified" if event.verified else "failed_check")
+        elif isinstance(event, ChildCancelled):
+            m.child("cancelled")
         elif isinstance(event, ObservationAppended):
             guard = _rejection_guard(event)
             if guard is not None:
@@ -248,6 +270,8 @@ class MetricsHooks:
 
     def _state_changed(self, record: TrajectoryRecord, event: StateChanged) -> None:
         if event.to_state is S.FINALIZING:
+            if event.exit_reason is not None:
+                self.metrics.exited(event.exit_reason.value)
             if event.exit_reason is ExitReason.BUDGET_EXCEEDED:
                 self.metrics.budget_exhausted(record.binding_dimension or "unknown")
             guard = watchdog_guard(event)
@@ -255,6 +279,8 @@ class MetricsHooks:
                 self.metrics.guard_fired(guard)
         elif event.from_state is S.FINALIZING and event.to_state in TERMINAL_STATES:
             self.metrics.trajectory_finished(outcome_of(record), record.turn_count)
+            result = result_of(record)
+            self.metrics.result(result["rung"], result["status"])
 
     def _maybe_completed_step(
         self,
@@ -287,9 +313,9 @@ def _rejection_guard(event: ObservationAppended) -> str | None:
 
 
 class HookChain:
-    """Several ``HarnessHooks`` as one, called in order (e.g. the status view, then metrics)."""
+    """Several ``TrajectoryHooks`` as one, called in order (e.g. the status view, then metrics)."""
 
-    def __init__(self, *hooks: HarnessHooks) -> None:
+    def __init__(self, *hooks: TrajectoryHooks) -> None:
         self.hooks = hooks
 
     def on_event(self, record: TrajectoryRecord, event: Event) -> None:

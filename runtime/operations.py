@@ -14,8 +14,8 @@ These are pure values and rules; ``runtime.fold.apply`` is the only place that c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from runtime.ports import Settlement
 
@@ -50,6 +50,10 @@ class Operation:
     liability: float = 0.0
     compensation: str | None = None
     repeat_safe: bool = False
+    arguments: Mapping[str, object] = field(default_factory=dict)  # as dispatched (canonical JSON)
+    result: object = None  # the established result (a reply, or recovered by a probe)
+    cleanup_of: str | None = None  # the obligation this operation is the compensation of
+    dispatched_at: float = 0.0  # when its latest attempt was decided (epoch seconds)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:

@@ -17,11 +17,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 from runtime.budget import BudgetCeilings, BudgetStage, Spend
+from runtime.incident import Hold
+from runtime.obligations import Obligation
 from runtime.operations import Operation
+from runtime.ports import GuardPermit, SandboxPermit
+from runtime.repair import RepairEpisode
 from runtime.states import TERMINAL_STATES, ExitReason, TrajectoryState
+from runtime.supervision import SupervisionState
+from runtime.watchdog import WatchdogState
+
+if TYPE_CHECKING:
+    from runtime.policy import TrajectoryPolicy
 
 __all__ = [
     "ApprovalDecision",
@@ -32,6 +41,7 @@ __all__ = [
     "ControlAction",
     "Grants",
     "HeldCall",
+    "HeldVote",
     "JsonValue",
     "Lease",
     "LeaseKind",
@@ -40,9 +50,14 @@ __all__ = [
     "PendingCall",
     "PendingControl",
     "Pointers",
+    "QueueStage",
+    "QueuedCall",
     "TaskContract",
+    "Timer",
+    "TimerKind",
     "TrajectoryRecord",
     "Transition",
+    "TurnRequestState",
 ]
 
 JsonValue: TypeAlias = "bool | int | float | str | Sequence[JsonValue] | Mapping[str, JsonValue] | None"
@@ -77,6 +92,12 @@ class ControlAction(StrEnum):
     KILL = "kill"
     APPROVE = "approve"
     DENY = "deny"
+    SETTLE = "settle"  # an operator settles an unknown operation or a stuck obligation (with evidence)
+    HANDOFF = "handoff"  # an operator takes (or assigns) custody of what the trajectory still owes
+    # issue 12: holds and custody (applied on arrival, never left pending)
+    HOLD = "hold"  # place a control hold, or an incident's hold (payload ``incident_id``)
+    RELEASE = "release"  # lift a hold (an incident's only with its ``incident_id``)
+    ACKNOWLEDGE = "acknowledge"  # take custody of an escalation (payload ``escalation_id``)
 
 
 class ApprovalDecision(StrEnum):
@@ -109,6 +130,40 @@ class AuditKind(StrEnum):
 
     LATE_RESULT_DROPPED = "late_result_dropped"
     CONTROL_REJECTED = "control_rejected"
+    CONTROL_REFUSED = "control_refused"  # recorded, then refused when applied (e.g. a stale-digest approval)
+    OPERATOR_ACTED = "operator_acted"  # an operator settled or took custody of an effect
+
+
+class TimerKind(StrEnum):
+    """What a timer is for. Durable kinds live in the cluster's timer store and fire even when the actor is
+    gone (waking a hibernated trajectory); the others live only as long as the actor, and recovery re-arms
+    them from the record."""
+
+    DEADLINE = "deadline"  # the trajectory's absolute deadline: cleanup must end by it (durable)
+    RESERVE = "reserve"  # forward work ends here; the finalization reserve funds the way out (durable)
+    APPROVAL_EXPIRY = "approval_expiry"  # a held call's expiry: silence is denial (durable)
+    HIBERNATE = "hibernate"  # idle long enough in a wait: the actor may exit
+    BACKOFF = "backoff"  # the next model call waits out a backoff
+    CALL_DEADLINE = "call_deadline"  # a dispatched tool call's deadline
+    RETRY = "retry"  # a tool operation's next attempt waits out its backoff
+    HOLD_EXPIRY = "hold_expiry"  # a watchdog hold the policy ends if nobody resumed it (durable)
+
+    @property
+    def durable(self) -> bool:
+        return self in (
+            TimerKind.DEADLINE,
+            TimerKind.RESERVE,
+            TimerKind.APPROVAL_EXPIRY,
+            TimerKind.HOLD_EXPIRY,
+        )
+
+
+class QueueStage(StrEnum):
+    """Where an accepted, not yet dispatched tool call waits."""
+
+    PERMIT = "permit"  # the dependency guard's permit (and the sandbox permit, when the tool needs one)
+    BACKOFF = "backoff"  # a retry of an earlier attempt waits out its backoff
+    PROBING = "probing"  # result recovery: the endpoint is asked what became of the last attempt
 
 
 # --------------------------------------------------------------------------- identity and limits
@@ -209,11 +264,25 @@ class PendingCall:
     attempt_id: str
     deadline: float  # absolute, epoch seconds
     job_handle: str | None = None
+    guard_permit: GuardPermit | None = None  # released with the attempt's classified outcome
+    sandbox_permit: SandboxPermit | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldVote:
+    """One authenticated approval of a held call's digest (the control plane verified the signature)."""
+
+    issuer: str
+    roles: frozenset[str]
+    at: float  # epoch seconds
 
 
 @dataclass(frozen=True, slots=True)
 class HeldCall:
-    """An irreversible call held in escrow: undispatched until an approval that passes its re-check."""
+    """An irreversible call held in escrow: undispatched until an approval that passes its re-check.
+
+    Approvals accumulate in ``votes`` until the quorum (distinct signers) and the required roles are
+    covered; a partial approval keeps the call held (approval chapter, Table 10)."""
 
     call_id: str
     tool: str
@@ -224,11 +293,50 @@ class HeldCall:
     decision: ApprovalDecision | None = None
     issuers: tuple[str, ...] = ()
     recheck_passed: bool | None = None
+    requested_at: float = 0.0
+    quorum: int = 1
+    required_roles: frozenset[str] = frozenset()
+    votes: tuple[HeldVote, ...] = ()
 
     @property
     def cleared_for_dispatch(self) -> bool:
         """Approved and re-checked: the only state in which the held call may be dispatched."""
         return self.decision is ApprovalDecision.APPROVED and self.recheck_passed is True
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedCall:
+    """An accepted tool call (validated, within the grant, past the watchdog and the approval gate) that is
+    not in flight: waiting for its permits, a retry backoff, or a probe. ``operation_id`` is set once the
+    call has been dispatched before (a retry keeps the operation). Nothing here has reached the dependency."""
+
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JsonValue]
+    stage: QueueStage
+    request_id: str  # the permit request, probe or timer this stage waits for (stale answers are ignored)
+    operation_id: str | None = None
+    approval_digest: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timer:
+    """A timer the trajectory armed (``TimerStarted``); it fires as an input (``TimerFired``)."""
+
+    timer_id: str
+    kind: TimerKind
+    due_at: float  # epoch seconds
+    subject: str = ""  # what it concerns: a call id, a held call's digest, ...
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequestState:
+    """The admission request of the next turn, asked of the scheduler and not yet answered."""
+
+    request_id: str
+    estimated_tokens: int
+    max_tokens: int
+    prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,10 +426,31 @@ class TrajectoryRecord:
     audit: tuple[AuditEntry, ...]
     seen_control_ids: frozenset[str]
     applied_control_ids: frozenset[str]
+    # what the decider needs beyond the chapter's Table 2 (all folded from the log like everything else)
+    transcript: tuple[object, ...] = ()  # the events the model's context is rebuilt from (runtime.context)
+    model_failures: int = 0  # consecutive failed model calls (a 429 is admission feedback, not a failure)
+    refusals: int = 0  # replies the provider refused
+    turn_request: TurnRequestState | None = None
+    queued: Mapping[str, QueuedCall] = field(default_factory=dict)
+    timers: Mapping[str, Timer] = field(default_factory=dict)
+    watchdog: WatchdogState = field(default_factory=WatchdogState)
+    excluded_wait_s: float = 0.0  # time spent awaiting approval: charged to the request, not the budget
+    obligations: Mapping[str, Obligation] = field(default_factory=dict)  # compensations owed, by id
+    handoff: Mapping[str, JsonValue] | None = None  # the packet written on an exit that was not clean
+    repairs: Mapping[str, RepairEpisode] = field(default_factory=dict)  # the latest episode per tool
+    # the workload's policy for this trajectory (not folded: it comes from the launch, see runtime.policy)
+    policy: TrajectoryPolicy = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    # issue 12: the one hold flag (watchdog, control, incident) and what supervision folds from the log
+    hold: Hold | None = None
+    supervision: SupervisionState = field(default_factory=SupervisionState)
 
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    def timer_of(self, kind: TimerKind, subject: str = "") -> Timer | None:
+        """The armed timer of ``kind`` (for ``subject``), if any."""
+        return next((t for t in self.timers.values() if t.kind is kind and t.subject == subject), None)
 
     def operation_for_call(self, call_id: str) -> Operation | None:
         """The most recently dispatched operation for ``call_id``, if any."""

@@ -85,6 +85,12 @@ class ExitReason(StrEnum):
     REFUSED = "REFUSED"  # the provider refused and the task policy finalizes refusals
     MODEL_ERROR = "MODEL_ERROR"  # model calls failed and the budget allows no more retries
     ERROR = "ERROR"  # anything else the harness could not continue from
+    # issue 12: a loop is not an error; these end a trajectory only by a supervision policy
+    REPEATED_ACTION = "REPEATED_ACTION"  # a watchdog held exact or trivially varied repetition: ended
+    CYCLING = "CYCLING"  # the task state kept returning to earlier states: ended by policy
+    STAGNATED = "STAGNATED"  # no progress in the declared task state for K turns: ended by policy
+    DEGRADED = "DEGRADED"  # ended on a degraded rung (assisted, deterministic, refusal): partial result
+    DELEGATION_FAILED = "DELEGATION_FAILED"  # a child failed the parent's check and on_failure aborts
 
 
 _TERMINAL_FOR: dict[ExitReason, TrajectoryState] = {

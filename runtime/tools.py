@@ -1,10 +1,12 @@
 """Tool contracts, the tool registry, and argument validation before dispatch.
 
 Every tool declares what the harness needs to dispatch it safely (issue 6; recovery chapter §12.7,
-reliability guide §5-§7): a pydantic argument schema, its side-effect class, its repeat contract, its
+reliability guide §5-§7): an argument schema (a pydantic model, or a JSON Schema declared in the workload or
+imported from an MCP server, behind :class:`ArgumentSchema`), its side-effect class, its repeat contract, its
 compensation (a tool name and how the created resource's id binds into that tool's arguments) and whether
 it supports a probe (result recovery), its dependency scope (the breaker/bulkhead it sits behind), its
-sandbox pool, its per-call charge, and whether it needs approval (irreversible tools do by default).
+sandbox pool, its per-call charge, whether it needs approval (irreversible tools do by default), and whether
+it is a pivot (recovery chapter §12.4: the call after which the saga is completed forward, not undone).
 
 Arguments are validated before dispatch. A rejection here is *local*: it never reaches the dependency and
 never counts in that dependency's breaker window. The error names the tool and the field so the model gets
@@ -20,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 
@@ -29,6 +31,8 @@ from runtime.fingerprint import canonical_value
 
 __all__ = [
     "ArgumentProblem",
+    "ArgumentSchema",
+    "ArgumentSchemaViolation",
     "Compensation",
     "CompensationUnbound",
     "RepeatContract",
@@ -70,6 +74,34 @@ class UnknownOutcomePolicy(StrEnum):
     RETRY = "retry"
     PROBE = "probe"
     LEAVE_UNKNOWN = "leave_unknown"
+
+
+class ArgumentSchemaViolation(Exception):
+    """Arguments do not satisfy an :class:`ArgumentSchema`: ``errors`` is every violation as
+    ``(dotted field path, message)`` (``"$"`` for the whole object)."""
+
+    def __init__(self, errors: tuple[tuple[str, str], ...]) -> None:
+        self.errors = errors or (("$", "invalid"),)
+        super().__init__("; ".join(f"{f}: {m}" for f, m in self.errors))
+
+
+@runtime_checkable
+class ArgumentSchema(Protocol):
+    """A tool's argument schema that is not a pydantic model (e.g. a JSON Schema from the workload or an
+    MCP server). Implementations live outside ``runtime`` (``actors.contracts.JsonSchemaArguments``) and
+    must be pure: the same value always validates the same way."""
+
+    def json_schema(self) -> dict[str, Any]:
+        """The JSON Schema offered to the model as the function's ``parameters``."""
+        ...
+
+    def field_names(self) -> frozenset[str]:
+        """The top-level argument names (for target keys and compensation bindings)."""
+        ...
+
+    def validate(self, value: Mapping[str, Any]) -> dict[str, Any]:
+        """``value`` with defaults filled, or :class:`ArgumentSchemaViolation`."""
+        ...
 
 
 class ToolContractError(InputError):
@@ -136,18 +168,33 @@ class Compensation:
     (``from_args``: forward argument -> compensation argument), and ``fixed`` constants.
 
     Registered before dispatch as a template with unbound result fields (recovery chapter §12.3);
-    :meth:`bind` fills them once the result arrives."""
+    :meth:`bind` fills them once the result arrives.
+
+    The cleanup graph and its evidence (``runtime.obligations``): ``after`` names tools whose obligations
+    must be discharged before this one runs (stop the test before releasing its environment);
+    ``postcondition`` names fields the compensation's verified result must carry (``{"released": true}``):
+    without a probe of the compensation's effect key or a declared postcondition, nothing can show the
+    compensation worked, and the obligation is handed off instead of being recorded clean.
+    ``on_completion``: the resource is temporary, so it is released when the trajectory completes too
+    (otherwise a completed task keeps what it did)."""
 
     tool: str
     from_result: Mapping[str, str] = field(default_factory=dict)
     from_args: Mapping[str, str] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)
+    after: tuple[str, ...] = ()
+    postcondition: Mapping[str, Any] = field(default_factory=dict)
+    on_completion: bool = False
 
     def __post_init__(self) -> None:
         where = f"compensation[{self.tool}]"
         object.__setattr__(self, "from_result", _frozen_str_map(self.from_result, f"{where}.from_result"))
         object.__setattr__(self, "from_args", _frozen_str_map(self.from_args, f"{where}.from_args"))
         object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
+        object.__setattr__(self, "postcondition", MappingProxyType(dict(self.postcondition)))
+        object.__setattr__(self, "after", tuple(self.after))
+        if any(not isinstance(t, str) or not t for t in self.after):
+            raise ToolContractError("after names tools", where=f"{where}.after")
         targets = [*self.from_result.values(), *self.from_args.values(), *self.fixed]
         duplicated = sorted({t for t in targets if targets.count(t) > 1})
         if duplicated:
@@ -178,7 +225,7 @@ class ToolContract:
 
     name: str
     description: str
-    arguments: type[BaseModel]
+    arguments: type[BaseModel] | ArgumentSchema
     side_effect: SideEffect
     repeat: RepeatContract
     dependency_scope: str
@@ -189,13 +236,24 @@ class ToolContract:
     needs_approval: bool | None = None  # None: True exactly when irreversible
     target_keys: tuple[str, ...] = ()  # arguments naming the resource acted on (coarse fingerprint)
     isolate_network: bool = False  # run the sandboxed process without network access
+    # A pivot (recovery chapter §12.5.2): the one irreversible commitment of its region. Every check that can
+    # run before it runs before it (``prechecks``: tools with a successful result since the last pivot);
+    # once established, what it ``commits`` (forward tools of the region) is no longer compensated, and its
+    # ``follow_up`` duties are staged in the outbox in the same durable batch as its outcome (§12.5.3).
+    pivot: bool = False
+    prechecks: tuple[str, ...] = ()
+    commits: tuple[str, ...] = ()
+    follow_up: tuple[Compensation, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"tool[{self.name!r}]"
         if not isinstance(self.name, str) or not _TOOL_NAME.match(self.name):
             raise ToolContractError("name must match [A-Za-z0-9_-]{1,64}", where=where)
-        if not (isinstance(self.arguments, type) and issubclass(self.arguments, BaseModel)):
-            raise ToolContractError("arguments must be a pydantic model class", where=f"{where}.arguments")
+        pydantic_model = isinstance(self.arguments, type) and issubclass(self.arguments, BaseModel)
+        if not pydantic_model and not isinstance(self.arguments, ArgumentSchema):
+            raise ToolContractError(
+                "arguments must be a pydantic model class or an ArgumentSchema", where=f"{where}.arguments"
+            )
         if not self.dependency_scope:
             raise ToolContractError("dependency scope is required", where=f"{where}.dependency_scope")
         if isinstance(self.charge, bool) or not math.isfinite(self.charge) or self.charge < 0:
@@ -206,7 +264,14 @@ class ToolContract:
             raise ToolContractError("probe-then-retry needs a probe", where=f"{where}.probe")
         if self.side_effect is SideEffect.REVERSIBLE and self.compensation is None:
             raise ToolContractError("a reversible tool must declare its compensation", where=f"{where}")
-        fields = set(self.arguments.model_fields)
+        if (self.prechecks or self.commits or self.follow_up) and not self.pivot:
+            raise ToolContractError(
+                "prechecks, commits and follow_up belong to a pivot", where=f"{where}.pivot"
+            )
+        object.__setattr__(self, "prechecks", tuple(self.prechecks))
+        object.__setattr__(self, "commits", tuple(self.commits))
+        object.__setattr__(self, "follow_up", tuple(self.follow_up))
+        fields = set(self.argument_names)
         unknown_targets = sorted(set(self.target_keys) - fields)
         if unknown_targets:
             raise ToolContractError(
@@ -220,18 +285,45 @@ class ToolContract:
             object.__setattr__(self, "needs_approval", self.side_effect is SideEffect.IRREVERSIBLE)
 
     @property
+    def argument_names(self) -> frozenset[str]:
+        """The top-level argument names, whichever kind of schema declares them."""
+        if isinstance(self.arguments, type):
+            return frozenset(self.arguments.model_fields)
+        return self.arguments.field_names()
+
+    def parameters(self) -> dict[str, Any]:
+        """The argument JSON Schema (the OpenAI function's ``parameters``)."""
+        if isinstance(self.arguments, type):
+            return self.arguments.model_json_schema()
+        return self.arguments.json_schema()
+
+    def validate_arguments(self, parsed: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate a parsed argument object; raises :class:`ArgumentSchemaViolation`. Returns the arguments
+        with defaults filled (JSON types), not yet canonical."""
+        if isinstance(self.arguments, type):
+            try:
+                model = self.arguments.model_validate(parsed)
+            except ValidationError as e:
+                raise ArgumentSchemaViolation(
+                    tuple((_field_path(err["loc"]), err["msg"]) for err in e.errors())
+                ) from e
+            dumped: dict[str, Any] = model.model_dump(mode="json")
+            return dumped
+        return self.arguments.validate(parsed)
+
+    @property
     def requires_approval(self) -> bool:
         """``needs_approval`` resolved (never None after construction)."""
         return bool(self.needs_approval)
 
     def openai_spec(self) -> dict[str, Any]:
-        """The OpenAI ``tools`` entry, parameters from the pydantic JSON schema."""
+        """The OpenAI ``tools`` entry, parameters from the argument JSON schema."""
         return {
             "type": "function",
             "function": {
                 "name": self.name,
                 "description": self.description,
-                "parameters": self.arguments.model_json_schema(),
+                "parameters": self.parameters(),
             },
         }
 
@@ -292,11 +384,47 @@ class ToolRegistry:
             where = f"tool[{contract.name!r}].compensation"
             if comp.tool not in self._tools:
                 raise ToolContractError(f"compensation tool {comp.tool!r} is not registered", where=where)
-            target_fields = set(self._tools[comp.tool].arguments.model_fields)
+            target_fields = set(self._tools[comp.tool].argument_names)
             bound = {*comp.from_result.values(), *comp.from_args.values(), *comp.fixed}
             unknown = sorted(bound - target_fields)
             if unknown:
                 raise ToolContractError(f"{comp.tool!r} has no arguments {', '.join(unknown)}", where=where)
+            missing = sorted(t for t in comp.after if t not in self._tools)
+            if missing:
+                raise ToolContractError(f"after names unregistered tools: {', '.join(missing)}", where=where)
+        for contract in self._tools.values():
+            where = f"tool[{contract.name!r}]"
+            named = [*contract.prechecks, *contract.commits, *(f.tool for f in contract.follow_up)]
+            missing = sorted({t for t in named if t not in self._tools})
+            if missing:
+                raise ToolContractError(
+                    f"the pivot names unregistered tools: {', '.join(missing)}", where=where
+                )
+        self._check_cleanup_order()
+
+    def _check_cleanup_order(self) -> None:
+        """Declared cleanup dependencies form a DAG (recovery chapter §12.3.4): a cycle is contradictory and
+        needs an operator, not an arbitrary order."""
+        edges = {
+            name: set(c.compensation.after) for name, c in self._tools.items() if c.compensation is not None
+        }
+        state: dict[str, int] = {}
+
+        def visit(node: str, path: list[str]) -> None:
+            if state.get(node) == 2:
+                return
+            if state.get(node) == 1:
+                cycle = " -> ".join([*path[path.index(node) :], node])
+                raise ToolContractError(
+                    f"cleanup dependencies form a cycle: {cycle}", where="compensation.after"
+                )
+            state[node] = 1
+            for nxt in sorted(edges.get(node, ())):
+                visit(nxt, [*path, node])
+            state[node] = 2
+
+        for name in sorted(edges):
+            visit(name, [])
 
     def openai_tool_specs(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """OpenAI tool specs for ``names`` (all tools when None), in the order given (sorted for all).
@@ -330,12 +458,10 @@ class ToolRegistry:
                 f"arguments must be a JSON object, got {type(parsed).__name__}",
             )
         try:
-            model = contract.arguments.model_validate(parsed)
-        except ValidationError as e:
-            errors = tuple((_field_path(err["loc"]), err["msg"]) for err in e.errors())
-            summary = "; ".join(f"{f}: {m}" for f, m in errors)
-            raise ToolArgumentsInvalid(tool, ArgumentProblem.SCHEMA, summary, errors) from e
-        canonical: dict[str, Any] = canonical_value(model.model_dump(mode="json"), where=f"{tool}.arguments")
+            valid = contract.validate_arguments(parsed)
+        except ArgumentSchemaViolation as e:
+            raise ToolArgumentsInvalid(tool, ArgumentProblem.SCHEMA, str(e), e.errors) from e
+        canonical: dict[str, Any] = canonical_value(valid, where=f"{tool}.arguments")
         return canonical
 
 

@@ -63,7 +63,9 @@ def _release_approved(rec: TrajectoryRecord, ev: StateChanged) -> str | None:
 
 
 def _nothing_pending(rec: TrajectoryRecord, _: StateChanged) -> str | None:
-    return "calls_pending" if rec.pending_calls else None
+    if rec.pending_calls:
+        return "calls_pending"
+    return "calls_queued" if rec.queued else None
 
 
 def _budget_left(rec: TrajectoryRecord, _: StateChanged) -> str | None:
@@ -85,6 +87,8 @@ def _settle_terminal(rec: TrajectoryRecord, ev: StateChanged) -> str | None:
         return "calls_pending"
     if rec.leases:
         return "leases_held"
+    if any(o.state.value in ("admitting", "running", "verifying") for o in rec.obligations.values()):
+        return "cleanup_in_flight"
     if ev.to_state is S.COMPLETED and rec.check_passed is not True:
         return "completion_check_not_passed"
     return None
@@ -133,6 +137,7 @@ def transition(record: TrajectoryRecord, event: StateChanged) -> TrajectoryRecor
         changes["model_call"] = None  # one call per CALLING_MODEL episode
     if src in (S.AWAITING_APPROVAL, S.WAITING_TOOL) and dst is not S.WAITING_TOOL:
         changes["held"] = None  # withdrawn: it can only come back through a new hold and approval
+        changes["queued"] = {}  # nothing queued was sent: it can only come back as a new proposal
     if dst is S.FINALIZING:
         changes["exit_reason"] = event.exit_reason
         changes["check_passed"] = None

@@ -137,6 +137,10 @@ class _SchedulerActorBody:
         return await _outcome_of(self._scheduler.report_remaining(provider_key, remaining))
 
     @ray.method(concurrency_group=_CONTROL)
+    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> _Outcome:
+        return await _outcome_of(self._scheduler.report_limits(provider_key, info, rate_limited))
+
+    @ray.method(concurrency_group=_CONTROL)
     async def snapshot(self) -> SchedulerSnapshot:
         return self._scheduler.snapshot()
 
@@ -242,10 +246,7 @@ class SchedulerHandle:
 
     async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
         """Admission feedback from one provider response (a 429 and/or its limit headers)."""
-        if rate_limited:
-            await self.report_rate_limited(provider_key, info.retry_after_s, info.remaining())
-        elif info.remaining():
-            await self.report_remaining(provider_key, info.remaining())
+        await self._call("report_limits", provider_key, info, rate_limited)
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float

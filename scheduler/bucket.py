@@ -7,9 +7,12 @@ Pure: every method takes ``now`` (monotonic seconds); nothing here reads a clock
 from __future__ import annotations
 
 import math
+from collections import Counter, deque
 from collections.abc import Mapping
 
+from runtime.ports import RateLimitInfo
 from scheduler.config import FeedbackConfig, ProviderLimits
+from scheduler.learning import LearnedLimit, capacity_below
 from scheduler.window import WindowLedger
 
 __all__ = ["ProviderLimiter", "TokenBucket"]
@@ -83,11 +86,17 @@ class ProviderLimiter:
     window of ``window_s`` (a minute) never exceed it either: providers count per-minute limits over a
     sliding window, where a bucket alone would allow a full burst plus a full minute of refill.
 
-    - 429: admission on this key stops until ``Retry-After``; the refill rate is multiplied by
+    - The limit itself is learned (``scheduler.learning``): the buckets and ledgers are sized to the
+      smallest of the configured limit, the provider's stated ``x-ratelimit-limit-*`` and the limit
+      inferred from its ``remaining`` counts and 429s, less the headroom. A configured limit 10x too high
+      is corrected by the first response that states the limit, or by the first 429s.
+    - 429: admission on this key stops until the retry hint (``Retry-After`` or a gateway's form; else
+      the reset of an exhausted count; else ``default_retry_after_s``); the refill rate is multiplied by
       ``decrease_factor`` (at most once per ``decrease_cooldown_s``) and the token level drops to
       at most zero, since the provider just told us our view was too optimistic.
-    - ``x-ratelimit-remaining-*``: clamps the local levels to the provider's, less our headroom.
-    - While no 429 arrives, the rate recovers additively, never above the configured limit.
+    - ``x-ratelimit-remaining-*``: clamps the local levels to the provider's, less our headroom; a count
+      at zero with a reset blocks the key until the reset.
+    - While no 429 arrives, the rate recovers additively, never above the learned limit.
 
     The refill over an interval uses the rate at the interval's start; the rate only grows between
     429s, so this under-refills slightly and never admits above the configured rate.
@@ -104,6 +113,12 @@ class ProviderLimiter:
         self.rate_factor = 1.0
         self.blocked_until = -math.inf
         self.rate_limited_count = 0
+        self.granted_count = 0
+        # retry hints applied to blocked_until, by the header that carried them ("unnamed": not said)
+        self.hints_honoured: Counter[str] = Counter()
+        self.learned_requests = LearnedLimit(limits.requests_per_minute)
+        self.learned_tokens = LearnedLimit(limits.tokens_per_minute)
+        self._rejections: deque[float] = deque()  # when 429s arrived, for the inference
         self._last_decrease = -math.inf
         self._at = now
 
@@ -122,6 +137,20 @@ class ProviderLimiter:
     def _apply_rate(self) -> None:
         self.tokens.rate = self.tokens.capacity / self.limits.window_s * self.rate_factor
         self.requests.rate = self.requests.capacity / self.limits.window_s * self.rate_factor
+
+    def _resize(self, now: float) -> None:
+        """Size buckets and ledgers to the learned limits (levels never rise by it)."""
+        headroom = self.limits.headroom
+        for bucket, ledger, learned in (
+            (self.tokens, self.token_window, self.learned_tokens),
+            (self.requests, self.request_window, self.learned_requests),
+        ):
+            capacity = capacity_below(learned.effective, headroom)
+            bucket.advance(now)
+            bucket.capacity = capacity
+            bucket.clamp(capacity, now)
+            ledger.capacity = capacity
+        self._apply_rate()
 
     # ------------------------------------------------------------------ admission
 
@@ -146,6 +175,7 @@ class ProviderLimiter:
         self.tokens.take(cost, now)
         self.requests.take(1, now)
         self.request_window.add(1, now)
+        self.granted_count += 1
         return self.token_window.add(cost, now)
 
     def ready_at(self, cost: int, now: float) -> float:
@@ -168,24 +198,98 @@ class ProviderLimiter:
 
     # ------------------------------------------------------------------ feedback
 
-    def on_rate_limited(self, retry_after: float | None, now: float) -> None:
+    def on_rate_limited(
+        self, retry_after: float | None, now: float, info: RateLimitInfo | None = None
+    ) -> None:
+        """The provider answered 429: pause the key, slow down, and learn from it (module docstring)."""
         self.advance(now)
         self.rate_limited_count += 1
-        wait = self.feedback.default_retry_after_s if retry_after is None else max(0.0, retry_after)
+        if retry_after is None and info is not None:
+            retry_after = info.retry_after_s
+        if retry_after is not None:
+            source = info.hint_source if info is not None and info.hint_source else "unnamed"
+            self.hints_honoured[source] += 1
+            wait = max(0.0, retry_after)
+        else:
+            wait = self._exhausted_reset(info) or self.feedback.default_retry_after_s
         self.blocked_until = max(self.blocked_until, now + wait)
         self.tokens.clamp(0.0, now)
         if now - self._last_decrease >= self.feedback.decrease_cooldown_s:
             self.rate_factor = max(self.feedback.floor, self.rate_factor * self.feedback.decrease_factor)
             self._last_decrease = now
             self._apply_rate()
+        if self.feedback.learn_limits:
+            self._learn_from_rejection(info, now)
+
+    def observe(self, info: RateLimitInfo, now: float) -> None:
+        """What a response's headers said about the limits (429 or not): learn stated limits, bound the
+        limit from ``remaining``, clamp the local levels, and wait for the reset of an exhausted count."""
+        self.advance(now)
+        if self.feedback.learn_limits:
+            self._learn_from_headers(info, now)
+        remaining = info.remaining()
+        if remaining:
+            self.observe_remaining(remaining, now)
+        reset = self._exhausted_reset(info)
+        if reset is not None:
+            self.blocked_until = max(self.blocked_until, now + reset)
 
     def observe_remaining(self, remaining: Mapping[str, float], now: float) -> None:
         """Clamp to the provider's ``x-ratelimit-remaining-{tokens,requests}`` (header name or the bare
         suffix), minus the headroom we keep below its limit."""
         self.advance(now)
+        headroom = self.limits.headroom
         for key, value in remaining.items():
             name = key.lower()
             if name.endswith("tokens"):
-                self.tokens.clamp(value - self.limits.tokens_per_minute * self.limits.headroom, now)
+                self.tokens.clamp(value - self.learned_tokens.effective * headroom, now)
             elif name.endswith("requests"):
-                self.requests.clamp(value - self.limits.requests_per_minute * self.limits.headroom, now)
+                self.requests.clamp(value - self.learned_requests.effective * headroom, now)
+
+    # ------------------------------------------------------------------ learning
+
+    def _learn_from_headers(self, info: RateLimitInfo, now: float) -> None:
+        changed = False
+        if info.limit_requests is not None:
+            changed |= self.learned_requests.state(info.limit_requests)
+        elif info.remaining_requests is not None:
+            changed |= self.learned_requests.bound(self.request_window.used(now) + info.remaining_requests)
+        # Tokens: only a stated limit. Providers count tokens their own way (OpenAI charges the prompt plus
+        # max_tokens when the request arrives), not the usage our ledger settles to, so our count is no
+        # upper bound of theirs and a bound inferred from it could starve the key.
+        if info.limit_tokens is not None:
+            changed |= self.learned_tokens.state(info.limit_tokens)
+        if changed:
+            self._resize(now)
+
+    def _learn_from_rejection(self, info: RateLimitInfo | None, now: float) -> None:
+        window = self.limits.window_s
+        self._rejections.append(now)
+        while self._rejections and self._rejections[0] <= now - window:
+            self._rejections.popleft()
+        tokens_ran_out = (
+            info is not None
+            and info.remaining_tokens is not None
+            and info.remaining_tokens <= 0
+            and not (info.remaining_requests is not None and info.remaining_requests <= 0)
+        )
+        if tokens_ran_out:
+            return  # a token 429 teaches no request limit; tokens are learned only from a stated limit
+        accepted = self.request_window.used(now) - len(self._rejections)
+        if self.learned_requests.bound(accepted):
+            self._resize(now)
+
+    @staticmethod
+    def _exhausted_reset(info: RateLimitInfo | None) -> float | None:
+        """Seconds until an exhausted count resets, when the provider said both (else None)."""
+        if info is None:
+            return None
+        resets = [
+            reset
+            for remaining, reset in (
+                (info.remaining_requests, info.reset_requests_s),
+                (info.remaining_tokens, info.reset_tokens_s),
+            )
+            if remaining is not None and remaining <= 0 and reset is not None
+        ]
+        return max(resets) if resets else None

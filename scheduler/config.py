@@ -62,11 +62,14 @@ class FeedbackConfig(_Frozen):
     """How provider feedback moves the local rate (AIMD: multiplicative decrease, additive increase)."""
 
     decrease_factor: float = Field(default=0.5, gt=0.0, lt=1.0)  # rate *= this on each 429
-    floor: float = Field(default=0.05, gt=0.0, le=1.0)  # never below this fraction of the configured rate
+    floor: float = Field(default=0.05, gt=0.0, le=1.0)  # never below this fraction of the (learned) rate
     recovery_per_s: PositiveFloat = 0.02  # fraction of the configured rate regained per quiet second
     default_retry_after_s: float = Field(default=1.0, ge=0.0)  # a 429 without Retry-After still pauses
     # A burst of in-flight requests rejected together is one signal, not many: decrease at most once per this.
     decrease_cooldown_s: float = Field(default=1.0, ge=0.0)
+    # Learn the real limit from the provider's headers and 429s (scheduler.learning). Off: the configured
+    # limit is trusted whatever the provider says (the control run of the tests that judge learning).
+    learn_limits: bool = True
 
 
 class SandboxPoolConfig(_Frozen):

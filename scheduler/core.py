@@ -20,12 +20,12 @@ import itertools
 import math
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from runtime.clock import Clock
 from runtime.errors import AdmissionRefused
-from runtime.ports import SandboxPermit, TurnGrant, TurnRequest
+from runtime.ports import RateLimitInfo, SandboxPermit, TurnGrant, TurnRequest
 from scheduler.bucket import ProviderLimiter
 from scheduler.config import SchedulerConfig
 from scheduler.drr import DeficitRoundRobin
@@ -87,7 +87,13 @@ Decision = Admitted | PermitGranted | Refused
 
 @dataclass(frozen=True, slots=True)
 class LaneView:
-    """One provider key as the scheduler sees it right now."""
+    """One provider key as the scheduler sees it right now.
+
+    ``limit_requests``/``limit_tokens`` are the limits per window the buckets are sized to, and
+    ``limit_sources`` where each came from (``configured``, ``stated`` by the provider, ``inferred``);
+    ``granted`` counts admissions, ``rate_limited`` the 429s reported, ``retry_hints_honoured`` the retry
+    hints that paused the key, by the header that carried them.
+    """
 
     tokens: float
     token_capacity: float
@@ -98,6 +104,11 @@ class LaneView:
     rate_limited: int
     queued: Mapping[str, int]
     deficits: Mapping[str, float]
+    limit_requests: float = 0.0
+    limit_tokens: float = 0.0
+    limit_sources: Mapping[str, str] = field(default_factory=dict)
+    granted: int = 0
+    retry_hints_honoured: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +338,19 @@ class SchedulerCore:
         admitted: list[Decision] = []
         while (head := lane.drr.peek()) is not None:
             _, ticket, cost = head
+            if not lane.limiter.fits_ever(cost):
+                # the limit learned since it queued is smaller than this turn: waiting can never help
+                lane.drr.pop()
+                pending = self._pending.pop(ticket)
+                admitted.append(
+                    self._refusal(
+                        pending,
+                        Predicate.EXCEEDS_CAPACITY,
+                        f"turn of {cost} tokens exceeds the bucket capacity "
+                        f"{lane.limiter.tokens.capacity:.0f} of {key!r} (learned from the provider)",
+                    )
+                )
+                continue
             if not lane.limiter.can_admit(cost, now):
                 break  # head-of-line: the next turn DRR chose waits for the bucket; nobody jumps it
             lane.drr.pop()
@@ -338,7 +362,7 @@ class SchedulerCore:
             waited = now - pending.submitted_at
             self.metrics.admission_wait(pending.priority_class, waited)
             admitted.append(Admitted(ticket, grant, waited))
-        if admitted:
+        if any(isinstance(d, Admitted) for d in admitted):
             self._report_levels(key, lane, now)
         return admitted
 
@@ -440,19 +464,31 @@ class SchedulerCore:
     def report_rate_limited(
         self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float] | None = None
     ) -> None:
-        """The provider answered 429 on ``provider_key``: pause the key, slow down, clamp."""
+        """The provider answered 429 on ``provider_key``: pause the key, slow down, clamp, learn."""
+        info = RateLimitInfo(
+            retry_after_s=retry_after,
+            remaining_requests=_pick(remaining, "requests"),
+            remaining_tokens=_pick(remaining, "tokens"),
+        )
+        self.report_limits(provider_key, info, rate_limited=True)
+
+    def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+        """Admission feedback from one provider response: what its headers said about the limits, and
+        whether it was a 429. The lane learns the real limit from it (``scheduler.learning``)."""
         lane = self._lane(provider_key)
         now = self.clock.now()
-        lane.limiter.on_rate_limited(retry_after, now)
-        if remaining:
-            lane.limiter.observe_remaining(remaining, now)
-        self.metrics.rate_limited(provider_key)
+        lane.limiter.observe(info, now)
+        if rate_limited:
+            lane.limiter.on_rate_limited(info.retry_after_s, now, info)
+            self.metrics.rate_limited(provider_key)
         self._report_levels(provider_key, lane, now)
 
     def observe_remaining(self, provider_key: str, remaining: Mapping[str, float]) -> None:
         """A successful response's ``x-ratelimit-remaining-*``: never be more optimistic than the provider."""
-        lane = self._lane(provider_key)
-        lane.limiter.observe_remaining(remaining, self.clock.now())
+        info = RateLimitInfo(
+            remaining_requests=_pick(remaining, "requests"), remaining_tokens=_pick(remaining, "tokens")
+        )
+        self.report_limits(provider_key, info, rate_limited=False)
 
     def reclaim(self, is_alive: Callable[[str], bool]) -> list[str]:
         """Drop every lease whose holder is gone and refuse its waiting requests; returns lease ids."""
@@ -493,6 +529,14 @@ class SchedulerCore:
                 rate_limited=lane.limiter.rate_limited_count,
                 queued=lane.drr.depth(),
                 deficits=lane.drr.deficits(),
+                limit_requests=lane.limiter.learned_requests.effective,
+                limit_tokens=lane.limiter.learned_tokens.effective,
+                limit_sources={
+                    "requests": lane.limiter.learned_requests.source.value,
+                    "tokens": lane.limiter.learned_tokens.source.value,
+                },
+                granted=lane.limiter.granted_count,
+                retry_hints_honoured=dict(lane.limiter.hints_honoured),
             )
             for key, lane in self._lanes.items()
         }
@@ -508,3 +552,11 @@ class SchedulerCore:
             grants=sum(1 for lease in leases if lease.kind is RequestKind.TURN),
             permits=sum(1 for lease in leases if lease.kind is RequestKind.SANDBOX),
         )
+
+
+def _pick(remaining: Mapping[str, float] | None, suffix: str) -> float | None:
+    """The count for ``suffix`` (``requests``/``tokens``) from a header-name or bare-suffix mapping."""
+    for key, value in (remaining or {}).items():
+        if key.lower().endswith(suffix):
+            return float(value)
+    return None

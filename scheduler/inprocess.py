@@ -71,11 +71,11 @@ class InProcessScheduler:
         self._poke()
 
     async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
-        """Admission feedback from one provider response (a 429 and/or its limit headers)."""
-        if rate_limited:
-            await self.report_rate_limited(provider_key, info.retry_after_s, info.remaining())
-        elif info.remaining():
-            await self.report_remaining(provider_key, info.remaining())
+        """Admission feedback from one provider response (a 429 and/or its limit headers): the key's
+        limits are learned from it (``scheduler.learning``)."""
+        with self._lock:
+            self.core.report_limits(provider_key, info, rate_limited)
+        self._poke()
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float
@@ -97,6 +97,7 @@ class InProcessScheduler:
         """Feed a successful response's ``x-ratelimit-remaining-*`` into the local view."""
         with self._lock:
             self.core.observe_remaining(provider_key, remaining)
+        self._poke()
 
     def reclaim(self, is_alive: Callable[[str], bool]) -> list[str]:
         """Drop leases and waiting requests of holders that are gone; returns reclaimed lease ids."""

@@ -26,6 +26,9 @@ Grammar (``name`` or ``name:argument``; no header means ``finish_after:0``)::
                         call (approved result or denial), then a final answer.
     parallel:K          K >= 1 calls in one reply (cycling through offered tools), then a final answer.
     slow[:N]            a plain text answer of N tokens (default 400), finish_reason "stop".
+    script:JSON         exact calls, one per reply: JSON is a list of [TOOL, ARGUMENTS] pairs; reply k
+                        (k = tool_results) calls pair k with those arguments, then a final answer. For
+                        tools whose arguments must be real (a repository path, a timezone).
 
 "The first offered tool" honours ``tool_choice``: ``"none"`` offers nothing and a named function
 offers only that one. When a scenario needs a tool and none is offered, it answers in text instead.
@@ -76,6 +79,7 @@ class ScenarioKind(StrEnum):
     IRREVERSIBLE = "irreversible"
     PARALLEL = "parallel"
     SLOW = "slow"
+    SCRIPT = "script"
 
 
 class FinishReason(StrEnum):
@@ -89,11 +93,13 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """A parsed scenario: ``count`` is N/K where the grammar has one, ``tool`` for irreversible."""
+    """A parsed scenario: ``count`` is N/K where the grammar has one, ``tool`` for irreversible, ``script``
+    the calls of a script (tool, arguments as JSON text)."""
 
     kind: ScenarioKind
     count: int | None = None
     tool: str | None = None
+    script: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +132,8 @@ def parse_scenario(header: str | None) -> Scenario:
         known = ", ".join(k.value for k in ScenarioKind)
         raise ScenarioError(f"unknown scenario {name!r}; known: {known}", where="X-Tether-Scenario") from None
     arg = arg.strip()
+    if kind is ScenarioKind.SCRIPT:
+        return Scenario(kind, script=_parse_script(arg))
     if kind is ScenarioKind.IRREVERSIBLE:
         if not arg:
             raise ScenarioError(
@@ -144,6 +152,23 @@ def parse_scenario(header: str | None) -> Scenario:
     if sep:
         raise ScenarioError(f"{kind} takes no argument, got {arg!r}", where="X-Tether-Scenario")
     return Scenario(kind)
+
+
+def _parse_script(text: str) -> tuple[tuple[str, str], ...]:
+    where = "X-Tether-Scenario"
+    try:
+        steps = json.loads(text)
+    except ValueError as e:
+        raise ScenarioError(f"script: not JSON: {e}", where=where) from None
+    if not isinstance(steps, list) or not steps:
+        raise ScenarioError("script: expected a non-empty list of [TOOL, ARGUMENTS] pairs", where=where)
+    calls = []
+    for i, step in enumerate(steps):
+        ok = isinstance(step, list) and len(step) == 2 and isinstance(step[0], str) and step[0]
+        if not ok or not isinstance(step[1], dict):
+            raise ScenarioError(f"script[{i}]: expected [TOOL, {{arguments}}], got {step!r}", where=where)
+        calls.append((step[0], json.dumps(step[1])))
+    return tuple(calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +240,11 @@ def decide(
             return _final(facts.tool_results)
         spec = next((f for f in offered if f.get("name") == scenario.tool), {"name": scenario.tool})
         return Plan("", (_call(spec, step=1, tag="irreversible"),), FinishReason.TOOL_CALLS)
+    if kind is ScenarioKind.SCRIPT:
+        if facts.tool_results >= len(scenario.script):
+            return _final(facts.tool_results)
+        tool, arguments = scenario.script[facts.tool_results]
+        return Plan("", (PlannedCall(tool, arguments),), FinishReason.TOOL_CALLS)
     if kind in (ScenarioKind.TRUNCATE, ScenarioKind.MALFORMED_JSON) and (
         scenario.count is not None and facts.observations >= scenario.count
     ):

@@ -1,7 +1,10 @@
 """Fault knobs for the testbed tool services, applied through the server framework's hooks.
 
-One ``FaultPlan`` per service, set at start (``--faults``) or at run time (``FaultControl.SetFaults``).
-Each mode changes behaviour as documented on ``FaultMode``.
+Each service has a list of ``FaultPlan`` rules, set at start (``--faults``: a plan or a list per service) or
+at run time (``FaultControl.SetFaults`` replaces the list with one plan). A call meets the first rule whose
+mode, tools and trajectories match it and whose count is not spent. Each mode changes behaviour as
+documented on ``FaultMode``; ``trajectories`` aims a rule at some trajectories only (a name matches its id
+or ``<run id>.<name>``), so one run can lose one trajectory's reply and not another's.
 
 Effect keys: by default the testbed applies every delivery, seen key or not (``EffectKeys.IGNORE``), so
 a runtime that re-dispatches leaves a visible second effect. A test that needs a service which honours
@@ -12,7 +15,7 @@ effect keys (deduplicates a repeat) names it: ``EffectKeys.HONOUR`` for the whol
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Self
 
@@ -61,7 +64,17 @@ class FaultPlan(BaseModel):
     retry_after_s: float | None = Field(default=None, ge=0.0)
     honour_effect_keys: bool | None = None  # None: the testbed's ``EffectKeys`` mode
     tools: frozenset[str] = frozenset()
+    trajectories: frozenset[str] = frozenset()  # empty: every trajectory
     count: int | None = Field(default=None, ge=1)
+
+    def aims_at(self, call: ToolCall) -> bool:
+        """Whether this rule covers ``call`` (its tool and its trajectory), whatever its mode and count."""
+        if self.tools and call.tool not in self.tools:
+            return False
+        if not self.trajectories:
+            return True
+        tid = call.trajectory_id
+        return tid in self.trajectories or tid.rsplit(".", 1)[-1] in self.trajectories
 
     @field_validator("status")
     @classmethod
@@ -88,47 +101,57 @@ class FaultInjector(ServerHooks):
     """``ServerHooks`` that apply each service's ``FaultPlan`` to the calls of its tools."""
 
     def __init__(
-        self, tool_services: Mapping[str, str], plans: Mapping[str, FaultPlan] | None = None
+        self,
+        tool_services: Mapping[str, str],
+        plans: Mapping[str, FaultPlan | Sequence[FaultPlan]] | None = None,
     ) -> None:
         self._service_of = dict(tool_services)  # tool -> service
-        self._plans: dict[str, FaultPlan] = {}
-        self._left: dict[str, int | None] = {}
+        self._plans: dict[str, list[FaultPlan]] = {}
+        self._left: dict[str, list[int | None]] = {}
         self._lock = threading.Lock()
         for service, plan in (plans or {}).items():
-            self.set_plan(service, plan)
+            self.set_plans(service, [plan] if isinstance(plan, FaultPlan) else plan)
 
     @property
     def services(self) -> frozenset[str]:
         return frozenset(self._service_of.values())
 
     def set_plan(self, service: str, plan: FaultPlan) -> None:
-        """Replace one service's plan ("" = every service)."""
+        """Replace one service's rules by ``plan`` ("" = every service)."""
+        self.set_plans(service, [plan])
+
+    def set_plans(self, service: str, plans: Sequence[FaultPlan]) -> None:
+        """Replace one service's rules ("" = every service); the first matching rule applies."""
         targets = sorted(self.services) if service == "" else [service]
         for name in targets:
             if name not in self.services:
                 raise InputError(f"unknown service {name!r}; known: {sorted(self.services)}", where="service")
             with self._lock:
-                self._plans[name] = plan
-                self._left[name] = plan.count
+                self._plans[name] = list(plans)
+                self._left[name] = [p.count for p in plans]
 
     def plan(self, service: str) -> FaultPlan:
-        return self._plans.get(service, FaultPlan())
+        """The service's first rule (a plan with no fault when it has none)."""
+        plans = self._plans.get(service)
+        return plans[0] if plans else FaultPlan()
 
     def _active(self, call: ToolCall, mode: FaultMode) -> FaultPlan | None:
-        """The plan if ``mode`` applies to ``call`` now, consuming one unit of its count."""
+        """The first rule of ``mode`` that applies to ``call`` now, consuming one unit of its count."""
         service = self._service_of.get(call.tool)
         if service is None:
             return None
         with self._lock:
-            plan = self._plans.get(service)
-            if plan is None or plan.mode is not mode or (plan.tools and call.tool not in plan.tools):
-                return None
-            left = self._left.get(service)
-            if left is not None:
-                if left <= 0:
-                    return None
-                self._left[service] = left - 1
-            return plan
+            left = self._left.get(service, [])
+            for i, plan in enumerate(self._plans.get(service, [])):
+                if plan.mode is not mode or not plan.aims_at(call):
+                    continue
+                remaining = left[i]
+                if remaining is not None:
+                    if remaining <= 0:
+                        continue
+                    left[i] = remaining - 1
+                return plan
+            return None
 
     # ------------------------------------------------------------------ hooks
 

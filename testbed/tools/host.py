@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -39,20 +39,24 @@ _ledger_stub: Callable[[grpc.aio.Channel], Any] = tpb_grpc.LedgerServiceStub
 _faults_stub: Callable[[grpc.aio.Channel], Any] = tpb_grpc.FaultControlStub
 
 
-def parse_fault_plans(text: str) -> dict[str, FaultPlan]:
-    """``{"service": {plan...}, ...}`` JSON -> validated plans (``""`` as a key = every service)."""
+def parse_fault_plans(text: str) -> dict[str, list[FaultPlan]]:
+    """``{"service": plan | [plan, ...], ...}`` JSON -> validated rules (``""`` as a key = every service)."""
     try:
         raw = json.loads(text)
     except ValueError as e:
         raise InputError(f"not JSON: {e}", where="--faults") from e
     if not isinstance(raw, dict):
-        raise InputError("must be a JSON object mapping service name -> fault plan", where="--faults")
-    plans: dict[str, FaultPlan] = {}
-    for service, plan in raw.items():
-        try:
-            plans[service] = FaultPlan.model_validate(plan)
-        except ValueError as e:
-            raise InputError(str(e), where=f"--faults.{service}") from e
+        raise InputError("must be a JSON object mapping service name -> fault plan(s)", where="--faults")
+    plans: dict[str, list[FaultPlan]] = {}
+    for service, given in raw.items():
+        rules = given if isinstance(given, list) else [given]
+        plans[service] = []
+        for i, plan in enumerate(rules):
+            where = f"--faults.{service}" + (f"[{i}]" if isinstance(given, list) else "")
+            try:
+                plans[service].append(FaultPlan.model_validate(plan))
+            except ValueError as e:
+                raise InputError(str(e), where=where) from e
     return plans
 
 
@@ -155,7 +159,7 @@ async def start_testbed(
     *,
     host: str = "127.0.0.1",
     services: Iterable[str] = SERVICES,
-    faults: Mapping[str, FaultPlan] | None = None,
+    faults: Mapping[str, FaultPlan | Sequence[FaultPlan]] | None = None,
     effect_keys: EffectKeys = EffectKeys.IGNORE,
     provision_s: float = 0.0,
     clock: Clock | None = None,
@@ -256,7 +260,7 @@ class TestbedProcess:
         self,
         port: int,
         *,
-        faults: Mapping[str, FaultPlan] | None = None,
+        faults: Mapping[str, FaultPlan | Sequence[FaultPlan]] | None = None,
         services: Iterable[str] = SERVICES,
         provision_s: float = 0.0,
         effect_keys: EffectKeys = EffectKeys.IGNORE,
@@ -266,7 +270,10 @@ class TestbedProcess:
         self.address = f"127.0.0.1:{port}"
         self._argv = [python, "-m", "testbed.tools", "--port", str(port), "--services", ",".join(services)]
         if faults:
-            plans = {name: plan.model_dump(mode="json") for name, plan in faults.items()}
+            plans = {
+                name: [p.model_dump(mode="json") for p in ([plan] if isinstance(plan, FaultPlan) else plan)]
+                for name, plan in faults.items()
+            }
             self._argv += ["--faults", json.dumps(plans)]
         if provision_s:
             self._argv += ["--provision-s", str(provision_s)]

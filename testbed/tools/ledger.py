@@ -36,6 +36,8 @@ __all__ = [
     "EnvironmentRecord",
     "Ledger",
     "LedgerSnapshot",
+    "NoteRead",
+    "NoteRecord",
     "NotificationRecord",
 ]
 
@@ -103,6 +105,28 @@ class NotificationRecord(BaseModel):
     sent_at: float
 
 
+class NoteRecord(BaseModel):
+    """A note the notes service holds (an artifact other trajectories may read)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    note_id: str
+    title: str
+    effect_key: str
+    written_at: float
+    deleted_at: float | None = None
+
+
+class NoteRead(BaseModel):
+    """One read of a note that reached the service (a quarantined note read here is a containment breach)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    note_id: str
+    effect_key: str
+    read_at: float
+
+
 class EffectCount(BaseModel):
     """How many times one effect key was really applied by one tool (> 1 is a duplicate effect)."""
 
@@ -124,6 +148,13 @@ class LedgerSnapshot(BaseModel):
     billed_seconds: float = 0.0
     test_runs: int = 0
     searches: int = 0
+    notes: tuple[NoteRecord, ...] = ()
+    note_reads: tuple[NoteRead, ...] = ()
+
+    def reads_of(self, note_id: str) -> list[NoteRead]:
+        """Every read of ``note_id`` that reached the service."""
+        return [r for r in self.note_reads if r.note_id == note_id]
+
     deliveries: tuple[DeliveryRecord, ...] = ()
     effect_keys: str = "ignore"  # the services' mode: "ignore" applies every delivery, "honour" dedupes
 
@@ -181,6 +212,20 @@ class LedgerSnapshot(BaseModel):
             billed_seconds=reply.billed_seconds,
             test_runs=reply.test_runs,
             searches=reply.searches,
+            notes=tuple(
+                NoteRecord(
+                    note_id=n.note_id,
+                    title=n.title,
+                    effect_key=n.effect_key,
+                    written_at=n.written_at,
+                    deleted_at=n.deleted_at or None,
+                )
+                for n in reply.notes
+            ),
+            note_reads=tuple(
+                NoteRead(note_id=r.note_id, effect_key=r.effect_key, read_at=r.read_at)
+                for r in reply.note_reads
+            ),
             deliveries=tuple(
                 DeliveryRecord(
                     seq=d.seq,
@@ -224,6 +269,8 @@ class Ledger:
         self._envs: dict[str, _Env] = {}
         self._notifications: list[NotificationRecord] = []
         self._effects: Counter[tuple[str, str]] = Counter()
+        self._notes: dict[str, tuple[NoteRecord, str]] = {}  # note id -> (record, body)
+        self._note_reads: list[NoteRead] = []
         self._ids = itertools.count(1)
         self.test_runs = 0
         self.searches = 0
@@ -308,6 +355,41 @@ class Ledger:
             self._effects[("send_notification", effect_key)] += 1
             return notification_id
 
+    def write_note(self, note_id: str, title: str, body: str, effect_key: str) -> bool:
+        """Store a note under its content address; False when it already existed (writing is idempotent)."""
+        with self._lock:
+            existing = self._notes.get(note_id)
+            if existing is not None and existing[0].deleted_at is None:
+                return False
+            record = NoteRecord(
+                note_id=note_id, title=title, effect_key=effect_key, written_at=self._clock.wall()
+            )
+            self._notes[note_id] = (record, body)
+            self._effects[("write_note", effect_key)] += 1
+            return True
+
+    def read_note(self, note_id: str, effect_key: str) -> tuple[str, str] | None:
+        """(title, body) of a live note, recording the read; None when there is no such note."""
+        with self._lock:
+            found = self._notes.get(note_id)
+            if found is None or found[0].deleted_at is not None:
+                return None
+            self._note_reads.append(
+                NoteRead(note_id=note_id, effect_key=effect_key, read_at=self._clock.wall())
+            )
+            return found[0].title, found[1]
+
+    def delete_note(self, note_id: str, effect_key: str) -> bool:
+        with self._lock:
+            found = self._notes.get(note_id)
+            if found is None:
+                return False
+            if found[0].deleted_at is None:
+                record = found[0].model_copy(update={"deleted_at": self._clock.wall()})
+                self._notes[note_id] = (record, found[1])
+                self._effects[("delete_note", effect_key)] += 1
+            return True
+
     def count_test_run(self) -> None:
         with self._lock:
             self.test_runs += 1
@@ -341,6 +423,8 @@ class Ledger:
                 billed_seconds=sum(e.billed_seconds for e in envs),
                 test_runs=self.test_runs,
                 searches=self.searches,
+                notes=tuple(record for record, _ in self._notes.values()),
+                note_reads=tuple(self._note_reads),
                 deliveries=tuple(self._deliveries),
                 effect_keys=self.effect_keys,
             )
@@ -376,6 +460,20 @@ class Ledger:
             billed_seconds=snap.billed_seconds,
             test_runs=snap.test_runs,
             searches=snap.searches,
+            notes=[
+                tpb.Note(
+                    note_id=n.note_id,
+                    title=n.title,
+                    effect_key=n.effect_key,
+                    written_at=n.written_at,
+                    deleted_at=n.deleted_at or 0.0,
+                )
+                for n in snap.notes
+            ],
+            note_reads=[
+                tpb.NoteRead(note_id=r.note_id, effect_key=r.effect_key, read_at=r.read_at)
+                for r in snap.note_reads
+            ],
             deliveries=[
                 tpb.Delivery(
                     seq=d.seq,

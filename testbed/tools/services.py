@@ -1,5 +1,6 @@
-"""The simulated tool services: a test runner, an environment provisioner, a notifier and a
-read-only package search. Each tool validates its arguments (pydantic), applies its effect through
+"""The simulated tool services: a test runner, an environment provisioner, a notifier, a read-only
+package search, and a notes store (artifacts other trajectories read: what an incident quarantines).
+Each tool validates its arguments (pydantic), applies its effect through
 the ``Ledger`` and returns plain JSON data.
 """
 
@@ -18,12 +19,13 @@ from actors.tools_grpc.errors import ToolError
 from actors.tools_grpc.server import ToolContext, ToolSpec
 from testbed.tools.ledger import Ledger
 
-__all__ = ["SERVICES", "TOOL_SERVICES", "TestbedTools"]
+__all__ = ["SERVICES", "TOOL_SERVICES", "TestbedTools", "note_id_of"]
 
 TEST_RUNNER = "test-runner"
 ENV_PROVISIONER = "env-provisioner"
 NOTIFIER = "notifier"
 PACKAGE_SEARCH = "package-search"
+NOTES = "notes"
 
 # tool -> service (dependency scope); the fault knobs and breakers work per service.
 TOOL_SERVICES: Mapping[str, str] = {
@@ -32,8 +34,11 @@ TOOL_SERVICES: Mapping[str, str] = {
     "release_env": ENV_PROVISIONER,
     "send_notification": NOTIFIER,
     "search_packages": PACKAGE_SEARCH,
+    "write_note": NOTES,
+    "read_note": NOTES,
+    "delete_note": NOTES,
 }
-SERVICES: tuple[str, ...] = (TEST_RUNNER, ENV_PROVISIONER, NOTIFIER, PACKAGE_SEARCH)
+SERVICES: tuple[str, ...] = (TEST_RUNNER, ENV_PROVISIONER, NOTIFIER, PACKAGE_SEARCH, NOTES)
 
 _CATALOGUE: tuple[tuple[str, str, str], ...] = (
     ("pytest", "8.3.2", "simple powerful testing with Python"),
@@ -77,6 +82,20 @@ class NotifyArgs(_Args):
 class SearchArgs(_Args):
     query: str = Field(min_length=1, max_length=200)
     limit: int = Field(default=10, ge=1, le=100)
+
+
+class WriteNoteArgs(_Args):
+    title: str = Field(min_length=1, max_length=200)
+    body: str = Field(min_length=1, max_length=8000)
+
+
+class NoteArgs(_Args):
+    note_id: str = Field(min_length=1, max_length=80)
+
+
+def note_id_of(title: str, body: str) -> str:
+    """A note's id is its content's address: the same title and body are the same note."""
+    return "note-" + hashlib.sha256(canonical_json({"title": title, "body": body}).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -138,6 +157,28 @@ class TestbedTools:
         self.ledger.count_search()
         return {"query": args.query, "packages": hits[: args.limit]}
 
+    def write_note(self, arguments: Mapping[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        """Store a note (an artifact); its id is its content address, so writing it again is harmless."""
+        args = WriteNoteArgs.model_validate(arguments)
+        note_id = note_id_of(args.title, args.body)
+        created = self.ledger.write_note(note_id, args.title, args.body, ctx.call.effect_key)
+        return {"note_id": note_id, "created": created}
+
+    def read_note(self, arguments: Mapping[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        """Read a note (read-only; the ledger records every read that reached the service)."""
+        args = NoteArgs.model_validate(arguments)
+        found = self.ledger.read_note(args.note_id, ctx.call.effect_key)
+        if found is None:
+            raise ToolError(grpc.StatusCode.NOT_FOUND, f"no note {args.note_id!r}")
+        return {"note_id": args.note_id, "title": found[0], "body": found[1]}
+
+    def delete_note(self, arguments: Mapping[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        """Delete a note (compensation of ``write_note``); deleting twice is harmless."""
+        args = NoteArgs.model_validate(arguments)
+        if not self.ledger.delete_note(args.note_id, ctx.call.effect_key):
+            raise ToolError(grpc.StatusCode.NOT_FOUND, f"no note {args.note_id!r}")
+        return {"note_id": args.note_id, "deleted": True}
+
     def specs(self, services: tuple[str, ...] = SERVICES) -> list[ToolSpec]:
         """The ``ToolSpec`` of every tool belonging to ``services``."""
         all_specs = [
@@ -146,5 +187,8 @@ class TestbedTools:
             ToolSpec("release_env", self.release_env, description="release an env"),
             ToolSpec("send_notification", self.send_notification, description="notify (irreversible)"),
             ToolSpec("search_packages", self.search_packages, description="search packages (read-only)"),
+            ToolSpec("write_note", self.write_note, description="store a note (content-addressed)"),
+            ToolSpec("read_note", self.read_note, description="read a note (read-only)"),
+            ToolSpec("delete_note", self.delete_note, description="delete a note"),
         ]
         return [s for s in all_specs if TOOL_SERVICES[s.name] in services]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!testbed/tools/testbed_tools.proto\x12\x11tether.testbed.v1\"\x0f\n\rLedgerRequest\"\x84\x01\n\x0b\x45nvironment\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\neffect_key\x18\x03 \x01(\t\x12\x14\n\x0c\x61llocated_at\x18\x04 \x01(\x01\x12\x13\n\x0breleased_at\x18\x05 \x01(\x01\x12\x16\n\x0e\x62illed_seconds\x18\x06 \x01(\x01\"p\n\x0cNotification\x12\x17\n\x0fnotification_id\x18\x01 \x01(\t\x12\x11\n\trecipient\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\neffect_key\x18\x04 \x01(\t\x12\x0f\n\x07sent_at\x18\x05 \x01(\x01\"E\n\x0b\x45\x66\x66\x65\x63tCount\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x12\n\neffect_key\x18\x02 \x01(\t\x12\x14\n\x0c\x61pplications\x18\x03 \x01(\r\"\xf9\x01\n\x08\x44\x65livery\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12\x12\n\neffect_key\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\t\x12\x12\n\nattempt_id\x18\x05 \x01(\t\x12\x14\n\x0coperation_id\x18\x06 \x01(\t\x12\x15\n\rtrajectory_id\x18\x07 \x01(\t\x12\x12\n\narrived_at\x18\x08 \x01(\x01\x12\r\n\x05prior\x18\t \x01(\t\x12\x13\n\x0b\x64isposition\x18\n \x01(\t\x12\r\n\x05reply\x18\x0b \x01(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x0c \x01(\x01\x12\x13\n\x0b\x64isposed_at\x18\r \x01(\x01\"\xaf\x02\n\x0bLedgerReply\x12\x34\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1e.tether.testbed.v1.Environment\x12\x36\n\rnotifications\x18\x02 \x03(\x0b\x32\x1f.tether.testbed.v1.Notification\x12/\n\x07\x65\x66\x66\x65\x63ts\x18\x03 \x03(\x0b\x32\x1e.tether.testbed.v1.EffectCount\x12\x16\n\x0e\x62illed_seconds\x18\x04 \x01(\x01\x12\x11\n\ttest_runs\x18\x05 \x01(\r\x12\x10\n\x08searches\x18\x06 \x01(\r\x12/\n\ndeliveries\x18\x07 \x03(\x0b\x32\x1b.tether.testbed.v1.Delivery\x12\x13\n\x0b\x65\x66\x66\x65\x63t_keys\x18\x08 \x01(\t\"6\n\x10SetFaultsRequest\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\"&\n\x0eSetFaultsReply\x12\x14\n\x0c\x61pplied_json\x18\x01 \x01(\t2Z\n\rLedgerService\x12I\n\x05Query\x12 .tether.testbed.v1.LedgerRequest\x1a\x1e.tether.testbed.v1.LedgerReply2c\n\x0c\x46\x61ultControl\x12S\n\tSetFaults\x12#.tether.testbed.v1.SetFaultsRequest\x1a!.tether.testbed.v1.SetFaultsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!testbed/tools/testbed_tools.proto\x12\x11tether.testbed.v1\"\x0f\n\rLedgerRequest\"\x84\x01\n\x0b\x45nvironment\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\neffect_key\x18\x03 \x01(\t\x12\x14\n\x0c\x61llocated_at\x18\x04 \x01(\x01\x12\x13\n\x0breleased_at\x18\x05 \x01(\x01\x12\x16\n\x0e\x62illed_seconds\x18\x06 \x01(\x01\"p\n\x0cNotification\x12\x17\n\x0fnotification_id\x18\x01 \x01(\t\x12\x11\n\trecipient\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\neffect_key\x18\x04 \x01(\t\x12\x0f\n\x07sent_at\x18\x05 \x01(\x01\"E\n\x0b\x45\x66\x66\x65\x63tCount\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x12\n\neffect_key\x18\x02 \x01(\t\x12\x14\n\x0c\x61pplications\x18\x03 \x01(\r\"\xf9\x01\n\x08\x44\x65livery\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12\x12\n\neffect_key\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\t\x12\x12\n\nattempt_id\x18\x05 \x01(\t\x12\x14\n\x0coperation_id\x18\x06 \x01(\t\x12\x15\n\rtrajectory_id\x18\x07 \x01(\t\x12\x12\n\narrived_at\x18\x08 \x01(\x01\x12\r\n\x05prior\x18\t \x01(\t\x12\x13\n\x0b\x64isposition\x18\n \x01(\t\x12\r\n\x05reply\x18\x0b \x01(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x0c \x01(\x01\x12\x13\n\x0b\x64isposed_at\x18\r \x01(\x01\"b\n\x04Note\x12\x0f\n\x07note_id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x12\n\neffect_key\x18\x03 \x01(\t\x12\x12\n\nwritten_at\x18\x04 \x01(\x01\x12\x12\n\ndeleted_at\x18\x05 \x01(\x01\"@\n\x08NoteRead\x12\x0f\n\x07note_id\x18\x01 \x01(\t\x12\x12\n\neffect_key\x18\x02 \x01(\t\x12\x0f\n\x07read_at\x18\x03 \x01(\x01\"\x88\x03\n\x0bLedgerReply\x12\x34\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1e.tether.testbed.v1.Environment\x12\x36\n\rnotifications\x18\x02 \x03(\x0b\x32\x1f.tether.testbed.v1.Notification\x12/\n\x07\x65\x66\x66\x65\x63ts\x18\x03 \x03(\x0b\x32\x1e.tether.testbed.v1.EffectCount\x12\x16\n\x0e\x62illed_seconds\x18\x04 \x01(\x01\x12\x11\n\ttest_runs\x18\x05 \x01(\r\x12\x10\n\x08searches\x18\x06 \x01(\r\x12/\n\ndeliveries\x18\x07 \x03(\x0b\x32\x1b.tether.testbed.v1.Delivery\x12\x13\n\x0b\x65\x66\x66\x65\x63t_keys\x18\x08 \x01(\t\x12&\n\x05notes\x18\t \x03(\x0b\x32\x17.tether.testbed.v1.Note\x12/\n\nnote_reads\x18\n \x03(\x0b\x32\x1b.tether.testbed.v1.NoteRead\"6\n\x10SetFaultsRequest\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\"&\n\x0eSetFaultsReply\x12\x14\n\x0c\x61pplied_json\x18\x01 \x01(\t2Z\n\rLedgerService\x12I\n\x05Query\x12 .tether.testbed.v1.LedgerRequest\x1a\x1e.tether.testbed.v1.LedgerReply2c\n\x0c\x46\x61ultControl\x12S\n\tSetFaults\x12#.tether.testbed.v1.SetFaultsRequest\x1a!.tether.testbed.v1.SetFaultsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,14 +41,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EFFECTCOUNT']._serialized_end=391
   _globals['_DELIVERY']._serialized_start=394
   _globals['_DELIVERY']._serialized_end=643
-  _globals['_LEDGERREPLY']._serialized_start=646
-  _globals['_LEDGERREPLY']._serialized_end=949
-  _globals['_SETFAULTSREQUEST']._serialized_start=951
-  _globals['_SETFAULTSREQUEST']._serialized_end=1005
-  _globals['_SETFAULTSREPLY']._serialized_start=1007
-  _globals['_SETFAULTSREPLY']._serialized_end=1045
-  _globals['_LEDGERSERVICE']._serialized_start=1047
-  _globals['_LEDGERSERVICE']._serialized_end=1137
-  _globals['_FAULTCONTROL']._serialized_start=1139
-  _globals['_FAULTCONTROL']._serialized_end=1238
+  _globals['_NOTE']._serialized_start=645
+  _globals['_NOTE']._serialized_end=743
+  _globals['_NOTEREAD']._serialized_start=745
+  _globals['_NOTEREAD']._serialized_end=809
+  _globals['_LEDGERREPLY']._serialized_start=812
+  _globals['_LEDGERREPLY']._serialized_end=1204
+  _globals['_SETFAULTSREQUEST']._serialized_start=1206
+  _globals['_SETFAULTSREQUEST']._serialized_end=1260
+  _globals['_SETFAULTSREPLY']._serialized_start=1262
+  _globals['_SETFAULTSREPLY']._serialized_end=1300
+  _globals['_LEDGERSERVICE']._serialized_start=1302
+  _globals['_LEDGERSERVICE']._serialized_end=1392
+  _globals['_FAULTCONTROL']._serialized_start=1394
+  _globals['_FAULTCONTROL']._serialized_end=1493
 # @@protoc_insertion_point(module_scope)

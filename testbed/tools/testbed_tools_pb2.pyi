@@ -81,8 +81,32 @@ class Delivery(_message.Message):
     disposed_at: float
     def __init__(self, seq: _Optional[int] = ..., tool: _Optional[str] = ..., effect_key: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., operation_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., arrived_at: _Optional[float] = ..., prior: _Optional[str] = ..., disposition: _Optional[str] = ..., reply: _Optional[str] = ..., deadline: _Optional[float] = ..., disposed_at: _Optional[float] = ...) -> None: ...
 
+class Note(_message.Message):
+    __slots__ = ("note_id", "title", "effect_key", "written_at", "deleted_at")
+    NOTE_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_AT_FIELD_NUMBER: _ClassVar[int]
+    DELETED_AT_FIELD_NUMBER: _ClassVar[int]
+    note_id: str
+    title: str
+    effect_key: str
+    written_at: float
+    deleted_at: float
+    def __init__(self, note_id: _Optional[str] = ..., title: _Optional[str] = ..., effect_key: _Optional[str] = ..., written_at: _Optional[float] = ..., deleted_at: _Optional[float] = ...) -> None: ...
+
+class NoteRead(_message.Message):
+    __slots__ = ("note_id", "effect_key", "read_at")
+    NOTE_ID_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_KEY_FIELD_NUMBER: _ClassVar[int]
+    READ_AT_FIELD_NUMBER: _ClassVar[int]
+    note_id: str
+    effect_key: str
+    read_at: float
+    def __init__(self, note_id: _Optional[str] = ..., effect_key: _Optional[str] = ..., read_at: _Optional[float] = ...) -> None: ...
+
 class LedgerReply(_message.Message):
-    __slots__ = ("environments", "notifications", "effects", "billed_seconds", "test_runs", "searches", "deliveries", "effect_keys")
+    __slots__ = ("environments", "notifications", "effects", "billed_seconds", "test_runs", "searches", "deliveries", "effect_keys", "notes", "note_reads")
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
     NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
     EFFECTS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +115,8 @@ class LedgerReply(_message.Message):
     SEARCHES_FIELD_NUMBER: _ClassVar[int]
     DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     EFFECT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    NOTE_READS_FIELD_NUMBER: _ClassVar[int]
     environments: _containers.RepeatedCompositeFieldContainer[Environment]
     notifications: _containers.RepeatedCompositeFieldContainer[Notification]
     effects: _containers.RepeatedCompositeFieldContainer[EffectCount]
@@ -99,7 +125,9 @@ class LedgerReply(_message.Message):
     searches: int
     deliveries: _containers.RepeatedCompositeFieldContainer[Delivery]
     effect_keys: str
-    def __init__(self, environments: _Optional[_Iterable[_Union[Environment, _Mapping]]] = ..., notifications: _Optional[_Iterable[_Union[Notification, _Mapping]]] = ..., effects: _Optional[_Iterable[_Union[EffectCount, _Mapping]]] = ..., billed_seconds: _Optional[float] = ..., test_runs: _Optional[int] = ..., searches: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ..., effect_keys: _Optional[str] = ...) -> None: ...
+    notes: _containers.RepeatedCompositeFieldContainer[Note]
+    note_reads: _containers.RepeatedCompositeFieldContainer[NoteRead]
+    def __init__(self, environments: _Optional[_Iterable[_Union[Environment, _Mapping]]] = ..., notifications: _Optional[_Iterable[_Union[Notification, _Mapping]]] = ..., effects: _Optional[_Iterable[_Union[EffectCount, _Mapping]]] = ..., billed_seconds: _Optional[float] = ..., test_runs: _Optional[int] = ..., searches: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ..., effect_keys: _Optional[str] = ..., notes: _Optional[_Iterable[_Union[Note, _Mapping]]] = ..., note_reads: _Optional[_Iterable[_Union[NoteRead, _Mapping]]] = ...) -> None: ...
 
 class SetFaultsRequest(_message.Message):
     __slots__ = ("service", "plan_json")

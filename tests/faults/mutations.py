@@ -173,6 +173,23 @@ def _no_budget_halt() -> None:
     harness.assess = assess
 
 
+def _trusting_parent() -> None:
+    """A parent that takes its child's report at its word: the child's own claim of success is the check
+    (the pitfall of §11.3, "the agent is also the reporter")."""
+    children: Any = importlib.import_module("runtime._decide_children")
+
+    def verify(check: Any, evidence: Any) -> tuple[bool, str]:
+        return "done" in evidence.claim.lower() or "pass" in evidence.claim.lower(), "the child says so"
+
+    children.verify = verify
+
+
+def _no_disclosure_rule() -> None:
+    """Disclosure rules are never consulted: a call carrying a forbidden data class goes out."""
+    supervise: Any = importlib.import_module("runtime._decide_supervise")
+    supervise.find_disclosure = lambda rules, tool, arguments: None
+
+
 # name -> (what it does in the worker, how it wraps the log store)
 MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | None]] = {
     "forgetful-log": (None, ForgetfulLog),
@@ -183,6 +200,8 @@ MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | Non
     "no-deadline-on-the-wire": (_no_deadline_on_the_wire, None),
     "no-budget-halt": (_no_budget_halt, None),
     "one-scope": (_one_scope, None),
+    "trusting-parent": (_trusting_parent, None),  # issue 12
+    "no-disclosure-rule": (_no_disclosure_rule, None),  # issue 12
 }
 
 

@@ -15,8 +15,8 @@ Rows (reliability guide, §13.3):
 4. Process is killed mid-step, then resumed  -> ``test_crash_recovery.py``
 5. The same tool result is delivered twice
 6. A human never answers an escalation
-7. A sub-agent returns a confident but wrong report (issue 12)
-8. Budget is set very low (its partial result: issues 11/12)
+7. A sub-agent returns a confident but wrong report (delegation, issue 12)
+8. Budget is set very low (and its usable partial result, issues 11/12)
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ import ray
 from cluster.redis_server import RedisServer
 from runtime.budget import Dimension
 from runtime.codec import decode
-from runtime.events import ApprovalDecided, ToolCallHeld, ToolResultAccepted
+from runtime.events import (
+    ApprovalDecided,
+    ObservationAppended,
+    ObservationKind,
+    ToolCallHeld,
+    ToolResultAccepted,
+)
 from runtime.ports import Settlement
 from runtime.record import ApprovalDecision
 from runtime.states import ExitReason, TrajectoryState
@@ -313,29 +319,53 @@ async def test_a_human_never_answers_an_escalation_and_the_pending_state_expires
 # ------------------------------------------------------------------------------------------------ row 7
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: delegation - a child trajectory's report is untrusted input checked by the parent's "
-    "success check before the parent builds on it",
-)
+@pytest.mark.parametrize("mutation", [None, "trusting-parent"], ids=["runtime", "control-trusting-parent"])
 async def test_a_sub_agent_returning_a_confident_but_wrong_report_is_caught_by_the_parent(
-    ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed
+    ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed, mutation: str | None
 ) -> None:
-    # Given a parent that delegates a sub-task whose child claims success without doing it
+    # Given a parent that delegates a sub-task to a child that claims it is done without running anything
+    # (its own bar, "always", lets it end COMPLETED), and whose contract needs a passing test run
+    from actors.supervision_config import ChildCheckSpec, ChildCompletionSpec, DelegationSpec, SupervisionSpec
+    from runtime.delegation import ChildCheckKind, OnFailure
+
+    delegation = DelegationSpec(
+        budget={"turns": 3, "tokens": 8_000, "dollars": 0.05},
+        grants=("run_tests",),
+        scenario="finish_after:0",
+        check=ChildCheckSpec(kind=ChildCheckKind.TOOL_RESULT, tool="run_tests", field="passed", equals=True),
+        completion_check=ChildCompletionSpec(name="always", params={}),
+        on_failure=OnFailure.ABORT_PARENT,
+    )
     tid = unique("i7-parent")
     handle = launch(
         tid,
         provider,
         testbed,
         redis_url,
-        scenario="finish_after:0",
-        grants=["run_tests"],
-        metadata={"scenario": "finish_after:0", "delegate": "child:finish_after:0"},
+        scenario="finish_after:1",
+        grants=["delegate"],
+        mutation=mutation,
+        supervision=SupervisionSpec(delegation=delegation),
     )
     run = await ended(handle, tid, redis_url, testbed)
-    # Then the parent ran its own check on the child's report and did not complete on the child's word
-    children = getattr(run.record, "children", ())
-    assert children and run.summary["state"] != "COMPLETED"
+    record = run.record
+    (child,) = record.supervision.children.values()
+    child_events = await events_of(redis_url, child.child_id)
+    child_claim = [
+        e.content
+        for e in child_events
+        if isinstance(e, ObservationAppended) and e.observation is ObservationKind.ASSISTANT and e.content
+    ]
+    if mutation is not None:
+        # (control) a parent that believes the report builds on it and completes: the judge below fails
+        assert child.verified and run.summary["state"] == "COMPLETED"
+        return
+    # Then the child did claim success, ran nothing, and the parent's own check (not the claim) judged it:
+    # the report is marked unverified, and the contract's on_failure ended the parent, not a completion
+    assert child_claim and "Done" in child_claim[-1]
+    assert not [d for d in run.book.deliveries if d.trajectory_id == child.child_id]
+    assert child.verified is False and run.summary["state"] != "COMPLETED"
+    assert record.exit_reason is ExitReason.DELEGATION_FAILED
 
 
 # ------------------------------------------------------------------------------------------------ row 8
@@ -375,14 +405,10 @@ async def test_budget_set_very_low_winds_down_within_it(
     assert run.book.test_runs == len(dispatched(run.events, "run_tests"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issues 11/12: the wind-down leaves a usable partial result (machine-readable completeness: what "
-    "was and was not done, the next action) and a handoff packet",
-)
 async def test_budget_set_very_low_produces_a_usable_partial_result(
     ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed
 ) -> None:
+    # Given nine tool turns wanted on a budget of three
     tid = unique("i8-partial")
     handle = launch(
         tid,
@@ -394,8 +420,13 @@ async def test_budget_set_very_low_produces_a_usable_partial_result(
         ceilings={"turns": 3, "tokens": 60_000, "wall_seconds": 300, "dollars": 1.0},
     )
     run = await ended(handle, tid, redis_url, testbed)
-    partial = getattr(run.record, "partial_result", None)
-    assert partial is not None and partial.get("status") == "partial" and partial.get("next_action")
+    # Then the result is machine-readable partial work: what was done (each run the testbed saw), what was
+    # not, and the next action (a person, with its escalation and the handoff packet)
+    partial = run.summary["result"]
+    assert partial["status"] == "partial" and partial["next_action"].startswith("queued for a person")
+    assert len(partial["done"]) == run.book.test_runs >= 1
+    assert "budget_exhausted" in run.summary["escalations"].values()
+    assert any(type(e).__name__ == "HandoffWritten" for e in run.events)
 
 
 __all__ = ["in_tool_call"]

@@ -16,7 +16,7 @@ Rows (recovery chapter, §12.9.3, table 10):
 4. Release executes but its reply is lost (issue 11)
 5. Candidate changes after a check (issue 11)
 6. Dependency slows while retries and late probes arrive
-7. Suspect content induces a forbidden proposal during unresolved work (issue 12)
+7. Suspect content induces a forbidden proposal during unresolved work (containment, issue 12)
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ from typing import Any
 
 import pytest
 import ray
+import redis.asyncio as aioredis
 
 from breakers.guard import NAMESPACE as GUARD_NAMESPACE
 from breakers.guard import GuardHandle, actor_name
 from breakers.scope_guard import GuardSnapshot
 from cluster.redis_server import RedisServer
-from runtime.events import OperationSettled, ToolCallCancelled
+from runtime.events import OperationSettled, ToolCallCancelled, ToolCallHeld, ToolDispatchIntent
 from runtime.ports import Settlement
+from runtime.record import TrajectoryState
 from testbed.provider import ProviderConfig, ProviderThread, start_provider_thread
 from testbed.tools import FaultMode, FaultPlan, Testbed, TestbedClient, start_testbed
 from tests.faults.fault_kit import (
@@ -422,29 +424,62 @@ async def test_dependency_slowing_while_retries_and_late_probes_arrive_keeps_eve
 # ------------------------------------------------------------------------------------------------ row 7
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: a disclosure rule on tool arguments opens an incident and holds model-directed work "
-    "while registered cleanup still runs",
-)
+@pytest.mark.parametrize("mutation", [None, "no-disclosure-rule"], ids=["runtime", "control-no-rule"])
 async def test_suspect_content_inducing_a_forbidden_proposal_during_unresolved_work_is_withheld_and_held(
-    ray_local: None, redis_url: str, fast: ProviderThread, testbed: Testbed
+    ray_local: None, redis_url: str, fast: ProviderThread, testbed: Testbed, mutation: str | None
 ) -> None:
-    # Given a trajectory with an unresolved provisioning whose model is then induced to send a notification
-    # carrying data a disclosure rule forbids for that tool
+    # Given a trajectory whose provisioning reply is lost (its outcome unresolved when the next reply comes),
+    # whose model is then induced to send a notification carrying fixture data a disclosure rule forbids
+    # for that tool
+    from actors.supervision_config import DisclosureSpec, SupervisionSpec
+    from cluster.supervision_store import RedisSupervisionStore
+
     await set_faults(testbed, FaultPlan(mode=FaultMode.DROP_REPLY, count=1), PROVISIONER)
     tid = unique("r7-incident")
+    script = (
+        'script:[["provision_env",{"tenant":"acme"}],'
+        '["send_notification",{"recipient":"ops","message":"rows like FIXTURE-042 fail"}]]'
+    )
+    rule = DisclosureSpec(data_class="fixtures", pattern="FIXTURE-[0-9]{3}", tools=("send_notification",))
     handle = launch(
         tid,
         fast,
         testbed,
         redis_url,
-        scenario="irreversible:send_notification",
-        grants=["send_notification", "provision_env"],
-        metadata={"scenario": "irreversible:send_notification", "disclosure": "send_notification:recipient"},
+        scenario=script,
+        grants=["send_notification", "provision_env", "release_env"],
+        approval_required=(),
+        mutation=mutation,
         tool_timeout_s=2.0,
+        hibernate_after_s=1.0,  # held PAUSED, it lets its actor go: run() answers
+        supervision=SupervisionSpec(disclosure=(rule,)),
     )
     run = await ended(handle, tid, redis_url, testbed)
-    # Then nothing was sent, an incident is on record and the trajectory is held, not finished
-    assert [d for d in run.book.deliveries if d.tool == "send_notification"] == []
-    assert getattr(run.record, "incidents", ())
+    sent = [d for d in run.book.deliveries if d.tool == "send_notification"]
+    # (send_notification is irreversible: it waits at the approval gate first; one click would send it)
+    forwarded = [
+        e
+        for e in run.events
+        if isinstance(e, ToolCallHeld | ToolDispatchIntent) and e.tool == "send_notification"
+    ]
+    if mutation is not None:
+        # (control) without the rule the proposal goes on to the approval gate: the judge below fails
+        assert forwarded
+        return
+    # Then the proposal went nowhere: withheld before the approval gate and dispatch, structurally
+    assert forwarded == [] and sent == []
+    # and the trajectory is held PAUSED by an incident it opened itself, not finished
+    record = run.record
+    assert record.state is TrajectoryState.PAUSED and record.hold is not None
+    assert record.supervision.incidents and record.hold.incident_ids == record.supervision.incidents
+    # the incident record keeps the pre-dispatch decision apart from the suspected cause, names the member's
+    # operations with their owners, and says blocking this call proves nothing about earlier disclosure
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        incident = await RedisSupervisionStore(client).incident(record.supervision.incidents[0])
+    finally:
+        await client.aclose()
+    assert incident is not None and incident["symptom"] != incident["suspected_cause"]
+    member = incident["members"][tid]
+    assert [op["tool"] for op in member["operations"]] == ["provision_env"]
+    assert "no evidence that no earlier disclosure" in incident["evidence"]["caveat"]

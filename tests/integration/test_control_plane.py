@@ -366,7 +366,9 @@ def approval_launch(**overrides: Any) -> dict[str, Any]:
     return {"approval_required": ("sleep",), "approval_timeout_s": 60.0, **overrides}
 
 
-async def test_an_approval_for_a_stale_digest_is_refused_and_the_model_sees_refused(plane: Plane) -> None:
+async def test_an_approval_for_a_stale_digest_is_refused_audited_and_leaves_the_call_held(
+    plane: Plane,
+) -> None:
     # Given a trajectory holding a sleep call for approval
     tid = plane.launch("irreversible:sleep", **approval_launch())
     held = await plane.status(tid, lambda s: s.held is not None, "a held call")
@@ -378,16 +380,22 @@ async def test_an_approval_for_a_stale_digest_is_refused_and_the_model_sees_refu
 
     # When an operator approves a different digest (the call changed since they looked)
     await plane.client.approve(tid, issuer="alice", call_digest="0" * 64)
-    summary = await plane.finished(tid)
 
-    # Then the held call was discarded unexecuted and the model got a structured REFUSED observation
+    # Then the approval is refused and audited, and the held call keeps waiting, undispatched: only an
+    # explicit deny or the expiry denies it (a stale approval must never deny the wrong call)
+    async def audited() -> TrajectoryRecord | None:
+        rec = await plane.record(tid)
+        return rec if any(a.reason == "STALE_DIGEST" for a in rec.audit) else None
+
+    rec = await eventually(audited, "the stale approval to be audited")
+    assert rec.state is S.AWAITING_APPROVAL and rec.held is not None and rec.held.digest == held.held.digest
+    assert kinds(await plane.events(tid), ToolDispatchIntent) == []
+    # and the genuine approval still dispatches it, once
+    await plane.client.approve(tid, issuer="alice", call_digest=held.held.digest)
+    summary = await plane.finished(tid)
     events = await plane.events(tid)
-    assert kinds(events, ToolDispatchIntent) == []
-    refusals = [e for e in kinds(events, ObservationAppended) if e.observation is ObservationKind.REFUSAL]
-    assert any('"status": "REFUSED"' in e.content and "STALE_DIGEST" in e.content for e in refusals)
-    assert [d.reason for d in kinds(events, ApprovalDecided)] == ["STALE_DIGEST"]
-    # and the scripted model, once it received that answer, finished (it only stops when it hears back)
-    assert summary["state"] == "COMPLETED"
+    assert [d.decision.value for d in kinds(events, ApprovalDecided)] == ["approved"]
+    assert len(kinds(events, ToolDispatchIntent)) == 1 and summary["state"] == "COMPLETED"
 
 
 async def test_an_approval_after_expiry_is_refused_silence_is_denial(plane: Plane) -> None:
@@ -486,7 +494,10 @@ async def test_kill_mid_tool_call_acts_at_once_and_leaves_the_call_in_doubt(plan
     assert summary["exit_reason"] == "KILLED" and final.exit_reason is not None
     assert final.exit_reason.value == "KILLED" and final.is_terminal
     op = final.operations[pending.operation_id]
-    assert op.in_doubt and op.owner == tid
+    # ... handed off with the packet: owned by the escalation owner once the trajectory stops acting
+    assert op.in_doubt and op.owner == "operator"
+    assert final.handoff is not None
+    assert [u["operation_id"] for u in final.handoff["pending"]["unknown_operations"]] == [op.operation_id]
     states = [(e.from_state, e.to_state) for e in kinds(await plane.events(tid), StateChanged)]
     assert (S.WAITING_TOOL, S.READY) in states[-4:] and states[-2][1] is S.FINALIZING
 
@@ -526,5 +537,8 @@ async def test_kill_while_a_sandboxed_command_runs_leaves_no_process_and_the_cal
     final = await plane.record(tid)
     assert summary["exit_reason"] == "KILLED" and final.is_terminal
     op = final.operations[pending.operation_id]
-    assert op.in_doubt and op.owner == tid
+    # ... handed off with the packet: owned by the escalation owner once the trajectory stops acting
+    assert op.in_doubt and op.owner == "operator"
+    assert final.handoff is not None
+    assert [u["operation_id"] for u in final.handoff["pending"]["unknown_operations"]] == [op.operation_id]
     assert [e.tool for e in kinds(await plane.events(tid), ToolDispatchIntent)] == ["run_command"]

@@ -107,13 +107,39 @@ async def test_small_workload_ends_in_expected_states_with_the_specified_report(
     assert not result.unexpected and by_name["budget"].binding_dimension == "turns"
     # And the report has exactly the specified keys; the provider saw one request per turn, no 429
     report = json.loads(json.dumps(result.report()))
-    assert set(report) == {"summary", "trajectories", "provider"}
-    assert set(report["summary"]) == {"states", "exit_reasons", "tokens", "dollars"}
+    # (issue 11 adds the ledger, handoff packets and operator actions; issue 12 the supervision section)
+    assert set(report) == {
+        "summary",
+        "trajectories",
+        "provider",
+        "ledger",
+        "handoff",
+        "operator_actions",
+        "supervision",
+    }
+    assert set(report["summary"]) == {
+        "states",
+        "exit_reasons",
+        "tokens",
+        "dollars",
+        "rungs",  # issue 12: each result's rung and completeness, escalations, incidents
+        "results",
+        "degraded_result_rate",
+    }
     assert report["summary"]["states"] == {"COMPLETED": 2, "FAILED": 2}
+    assert report["summary"]["rungs"] == {"full": 4} and report["summary"]["degraded_result_rate"] == 0.0
+    assert set(report["supervision"]) == {"escalations", "incidents", "quarantined_artifacts"}
+    assert report["supervision"]["escalations"]["by_trigger"]["approval_request"] == 1
     keys = {"id", "state", "exit_reason", "turns", "tokens", "dollars", "binding_dimension"}
+    keys |= {"rung", "result", "escalations", "children"}
     assert all(set(t) == keys for t in report["trajectories"])
     assert {t["id"] for t in report["trajectories"]} == {f"itest.{n}" for n in by_name}
-    assert report["provider"] == {"requests": sum(r.turns for r in result.results), "rate_limited": 0}
+    provider = report["provider"]
+    assert (provider["requests"], provider["rate_limited"]) == (sum(r.turns for r in result.results), 0)
+    assert provider["simulated"] == {"requests": provider["requests"], "rate_limited": 0}
+    # And the scheduler's view of the same key sits beside it: every call admitted, none rate limited
+    (lane,) = provider["scheduler"].values()
+    assert (lane["granted"], lane["rate_limited"]) == (provider["requests"], 0)
     assert report["summary"]["tokens"] == sum(r.tokens for r in result.results) > 0
     # And the timeline picture is written beside the report
     png = write_timeline_png(result, tmp_path / "report.png", "small")

@@ -74,7 +74,7 @@ async def control(testbed: Testbed) -> AsyncIterator[TestbedClient]:
 async def settled_probe(port: GrpcToolPort, tool: str, effect_key: str) -> Settlement:
     """Probe until the endpoint stops saying UNKNOWN because the effect is still running (bounded)."""
     for _ in range(200):
-        settlement = await port.probe(tool, effect_key, time.time() + 2)
+        settlement = (await port.probe(tool, effect_key, time.time() + 2)).settlement
         if settlement is not Settlement.UNKNOWN:
             return settlement
         await asyncio.sleep(0.02)
@@ -171,7 +171,9 @@ async def test_probe_of_an_unseen_key_fences_late_attempts_but_not_the_prober(
     testbed: Testbed, port: GrpcToolPort, control: TestbedClient
 ) -> None:
     # Given a probe finds nothing for a key (the original request may still be in transit)
-    assert await port.probe("provision_env", "ek-late", time.time() + 2) is Settlement.ESTABLISHED_ABSENT
+    assert (
+        await port.probe("provision_env", "ek-late", time.time() + 2)
+    ).settlement is Settlement.ESTABLISHED_ABSENT
     # When that original attempt arrives late (a client that never saw the fence)
     async with GrpcToolPort(testbed.routes()) as stale:
         late = await stale.invoke(provision("ek-late"))
@@ -202,7 +204,9 @@ async def test_cancel_stops_a_pending_effect_before_it_commits(
         Settlement.ESTABLISHED_ABSENT,
         "ABORTED",
     )
-    assert await port.probe("provision_env", "ek-c", time.time() + 2) is Settlement.ESTABLISHED_ABSENT
+    assert (
+        await port.probe("provision_env", "ek-c", time.time() + 2)
+    ).settlement is Settlement.ESTABLISHED_ABSENT
     assert (await control.ledger()).environments == ()
 
 
@@ -294,7 +298,9 @@ async def test_fail_knob_answers_with_the_status_and_applies_nothing(
     assert (outcome.settlement, outcome.outcome_class) == (rule.settlement, rule.outcome_class)
     assert outcome.retry_after == 1.5
     assert (await control.ledger()).environments == ()
-    assert await port.probe("provision_env", "ek-f", time.time() + 2) is Settlement.ESTABLISHED_ABSENT
+    assert (
+        await port.probe("provision_env", "ek-f", time.time() + 2)
+    ).settlement is Settlement.ESTABLISHED_ABSENT
 
 
 async def test_fail_knob_is_scoped_to_its_service(port: GrpcToolPort, control: TestbedClient) -> None:

@@ -1,5 +1,5 @@
-"""The pure parts of the trajectory actor: launch records, wiring (registry, creation event, retry owner,
-tool routing), in-process tools, the status view, and tether run's planning. No Ray, no Redis."""
+"""The pure parts of the trajectory actor: launch records, wiring (registry, creation event, policy, tool
+routing), in-process tools, the status view, and tether run's planning. No Ray, no Redis."""
 
 from __future__ import annotations
 
@@ -12,16 +12,13 @@ import pytest
 from actors.launch import CheckLaunch, ProviderLaunch, TrajectoryLaunch
 from actors.status import status_fields, summarize
 from actors.tools_local import LocalTool, LocalToolPort, builtin_tools
-from actors.wiring import RoutedToolPort, build_config, build_created, build_registry, retry_owner
-from breakers.errors import AttemptBudgetExhausted
+from actors.wiring import RoutedToolPort, build_created, build_policy, build_registry
 from cluster.runner import plan_launches
 from cluster.workload import WorkloadError, parse_workload
-from runtime.clock import FakeClock
-from runtime.dispatch import Verdict
-from runtime.errors import CodecError, InputError, PolicyRefusal
+from runtime.errors import CodecError, InputError
 from runtime.fold import start
-from runtime.ports import OutcomeClass, Settlement, ToolInvocation, ToolOutcome
-from runtime.tools import RepeatContract, UnknownTool
+from runtime.ports import OutcomeClass, Settlement, ToolInvocation
+from runtime.tools import UnknownTool
 
 
 def launch(**overrides: Any) -> TrajectoryLaunch:
@@ -64,7 +61,10 @@ def test_creation_event_is_a_pure_function_of_the_launch() -> None:
     assert rec.grants.read_only_tools == frozenset({"run_tests"})
     assert rec.deadline == 1_700_000_000.0 + 600.0 and rec.limits.model == "m"
     assert rec.contract.completion_check.params == {"count": 2}
-    assert build_config(launch()).provider_key == "http://sim/v1|m"
+    policy = build_policy(launch(), registry)
+    assert policy.provider_key == "http://sim/v1|m" and policy.registry is registry
+    # the decider's seed is the same in every process (never Python's salted str hash)
+    assert policy.rng_seed == build_policy(launch(), registry).rng_seed == 901_592_516
 
 
 @pytest.mark.parametrize(
@@ -84,32 +84,10 @@ def test_inconsistent_launches_are_refused_with_what_and_where(
     assert "launch[run.t1]" in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("repeat", "verdict"),
-    [
-        (RepeatContract.IDEMPOTENT, Verdict.RETRY),  # repeating is safe
-        (RepeatContract.PROBE_THEN_RETRY, Verdict.PROBE),  # ask before repeating
-        (RepeatContract.NEVER_REPEAT, Verdict.LEAVE_UNKNOWN),  # unknown stays unknown, owned
-    ],
-)
-def test_retry_owner_port_decides_unknown_outcomes_by_repeat_contract(
-    repeat: RepeatContract, verdict: Verdict
-) -> None:
-    port = retry_owner(launch(), FakeClock())
-    port.begin("op", repeat, deadline=1_700_010_000.0)
-    port.next_attempt("op")
-    unknown = ToolOutcome(Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, error="timeout")
-    assert port.decide("op", unknown).verdict is verdict
-
-
-def test_retry_owner_port_charges_one_shared_budget_with_fresh_attempt_ids() -> None:
-    port = retry_owner(launch(), FakeClock())
-    port.begin("op", RepeatContract.IDEMPOTENT, deadline=1_700_010_000.0)
-    ids = [port.next_attempt("op") for _ in range(3)]  # the launch's default budget: 3 attempts
-    assert len(set(ids)) == 3
-    with pytest.raises(AttemptBudgetExhausted) as info:
-        port.next_attempt("op")
-    assert isinstance(info.value, PolicyRefusal)
+def test_the_policy_carries_the_launchs_single_retry_budget() -> None:
+    # the decider applies runtime.retry with it (tests/unit/trajectory/test_retry_rule.py)
+    policy = build_policy(launch(), build_registry(launch()))
+    assert (policy.retry.max_attempts, policy.retry.base_backoff_s) == (3, 0.2)
 
 
 async def test_routed_tool_port_refuses_an_unrouted_tool() -> None:
@@ -183,6 +161,19 @@ def test_summary_and_status_snapshot_describe_the_record() -> None:
         "binding_dimension": None,
         "rho": 0.0,
         "hibernated": False,
+        "result": {
+            "status": "in_progress",
+            "rung": "full",
+            "done": [],
+            "not_done": [],
+            "next_action": "wait for the trajectory to end",
+        },
+        "rung": "full",
+        "hold": None,
+        "escalations": {},
+        "parent_id": None,
+        "children": {},
+        "spend": {},
     }
     fields = status_fields(rec, hibernated=True, now=12.5)
     assert fields["state"] == "READY" and fields["hibernated"] == "1" and fields["held_digest"] == ""

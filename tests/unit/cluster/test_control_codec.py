@@ -36,7 +36,7 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=12,
 )
-PAYLOAD_KEYS = st.text(max_size=12).filter(lambda k: k not in ("call_digest", "message"))
+PAYLOAD_KEYS = st.text(max_size=12).filter(lambda k: k not in ("call_digest", "message", "escalation_id"))
 
 
 @st.composite
@@ -47,6 +47,8 @@ def messages(draw: st.DrawFn) -> ControlMessage:
         payload["call_digest"] = draw(st.from_regex(r"[0-9a-f]{64}", fullmatch=True))
     if action is ControlAction.INTERRUPT and draw(st.booleans()):
         payload["message"] = draw(st.text(max_size=50))
+    if action is ControlAction.ACKNOWLEDGE:
+        payload["escalation_id"] = draw(st.from_regex(r"esc-[!-~]{1,60}", fullmatch=True))
     issued = draw(st.floats(min_value=0, max_value=4e9))
     return ControlMessage(
         message_id=draw(st.from_regex(r"[A-Za-z0-9._:-]{8,40}", fullmatch=True)),

@@ -20,7 +20,7 @@ from runtime.operations import Operation
 from runtime.ports import Settlement
 from runtime.record import TrajectoryRecord
 from runtime.states import TERMINAL_STATES, ExitReason, TrajectoryState
-from tests.unit.harness.fakes import created
+from tests.unit.trajectory.sim import created
 
 S = TrajectoryState
 

@@ -196,7 +196,44 @@ def examples() -> list[Event]:
         ToolResultAccepted,
         WallClockMeasured,
     )
-    from runtime.ports import OutcomeClass, Settlement, ToolCallProposal
+    from runtime.degradation import Rung
+    from runtime.events import (
+        ApprovalVoted,
+        CallObserved,
+        CallWithheld,
+        ChildCancelled,
+        ChildSettled,
+        ChildSpawned,
+        CleanupDispatched,
+        CleanupSettled,
+        EscalationAcknowledged,
+        EscalationOpened,
+        EscalationResolved,
+        HandoffWritten,
+        HoldPlaced,
+        HoldReleased,
+        IncidentOpened,
+        ObligationBound,
+        ObligationRegistered,
+        ObligationUpdated,
+        OperatorActed,
+        ProgressObserved,
+        RepairEpisodeChanged,
+        RungChanged,
+        TimerCancelled,
+        TimerFired,
+        TimerStarted,
+        ToolCallQueued,
+        ToolCallWithdrawn,
+        TurnAbandoned,
+        TurnRequested,
+        WatchdogFired,
+    )
+    from runtime.incident import HoldKind
+    from runtime.obligations import ObligationState
+    from runtime.ports import GuardPermit, OutcomeClass, SandboxPermit, Settlement, ToolCallProposal
+    from runtime.record import QueueStage, TimerKind
+    from runtime.repair import EpisodeState, RepairChoice
 
     return [
         created(parent_id="traj-0", workspace_ref="ws://1"),
@@ -239,4 +276,49 @@ def examples() -> list[Event]:
         LeaseAcquired("lease-1", LeaseKind.WORKSPACE, "ws://1", T0 + 900),
         LeaseReleased("lease-1"),
         PointerMoved(PointerName.WORKSPACE_SNAPSHOT, "snap://3"),
+        TurnRequested("turn-7", 1500, 512, 988),
+        TurnAbandoned("turn-7", "paused"),
+        ModelCallFailed("HTTP 429", True, rate_limited=True),
+        CallObserved("c5", "run_tests", "fp-1", "coarse-1", None, False, "exact_repeat"),
+        ApprovalVoted(DIGEST, "alice", frozenset({"secops"}), T0 + 30),
+        ToolCallQueued("c6", "run_tests", {"suite": "unit"}, QueueStage.PERMIT, "permit-3", None, DIGEST),
+        ToolCallWithdrawn("c6", "pause requested"),
+        ControlApplied("7-0", refused="STALE_DIGEST", detail="approval for another call"),
+        ControlRejected("8-0", "trajectory_terminal", "ended", verified=True),
+        TimerStarted("deadline-1", TimerKind.DEADLINE, T0 + 3600),
+        TimerFired("deadline-1"),
+        TimerCancelled("hib-2"),
+        intent(
+            "c7",
+            "run_tests",
+            guard_permit=GuardPermit("g-1", "test-service", 2, False),
+            sandbox_permit=SandboxPermit("s-1", "default", T0 + 60),
+        ),
+        ObligationRegistered(
+            "obl-op-c2", "op-c2", "write_file", "delete_file", {"path": "a.txt"}, ("token",), ("run_tests",)
+        ),
+        ObligationBound("obl-op-c2", {"path": "a.txt", "token": "t-1"}, "delete_file:{}", "result of c2"),
+        ObligationUpdated("obl-op-c2", ObligationState.ADMITTING, "finalizing", request_id="permit-9"),
+        CleanupDispatched(
+            "obl-op-c2", "cop-obl-op-c2", "cop-obl-op-c2#a1", "ek-cop", "delete_file", {}, T0 + 30
+        ),
+        CleanupSettled("obl-op-c2", Settlement.ESTABLISHED, OutcomeClass.SUCCESS, {"deleted": True}),
+        HandoffWritten({"goal": "x", "pending": {"obligations": []}}),
+        OperatorActed("9-0", ControlAction.SETTLE, "op:alice", "op-c4", "checked by hand"),
+        OperationSettled("op-c5", Settlement.ESTABLISHED, "probe", {"env_id": "e-1"}, "c5", False),
+        RepairEpisodeChanged("write_file", "repair-4.1", EpisodeState.OPEN, 1, 3, RepairChoice.REPAIR, "x"),
+        # issue 12: supervision
+        HoldPlaced(HoldKind.INCIDENT, "disclosure", "policy:disclosure", T0 + 5, "inc-1", "esc-1"),
+        HoldReleased(HoldKind.INCIDENT, "op:alice", "reviewed", "inc-1"),
+        WatchdogFired("exact_repeat", "inform", 1, "identical call 3 times", "c5", {"steps": [1, 2, 3]}),
+        ProgressObserved(4, "digest-4", False, 3),
+        CallWithheld("c5", "run_tests", "watchdog exact_repeat (inform)"),
+        EscalationOpened("esc-1", "guard", "loop", "oncall", T0, T0 + 900, {"key": "k"}, {"goal": "g"}),
+        EscalationAcknowledged("esc-1", "op:alice", T0 + 60, "9-0"),
+        EscalationResolved("esc-1", "released"),
+        IncidentOpened("inc-1", "fixture data to search", "unknown", {"path": "$.query"}),
+        RungChanged(Rung.CONSTRAINED, "breaker_open", "env-provisioner open"),
+        ChildSpawned("traj-1.c1", "c8", "run the suite", {"turns": 3.0, "dollars": 0.1}, T0 + 300),
+        ChildSettled("traj-1.c1", "c8", False, "ended FAILED", {"turns": 2.0}, {"status": "FAILED_CHECK"}),
+        ChildCancelled("traj-1.c2", "c9", "parent killed"),
     ]

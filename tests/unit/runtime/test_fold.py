@@ -299,7 +299,7 @@ def test_generated_logs_reach_every_state() -> None:
     """Guards against a generator that never leaves READY (the property test would then prove little)."""
     seen: set[TrajectoryState] = set()
 
-    @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(legal_logs())
     def collect(log: tuple[list[Event], list[TrajectoryRecord]]) -> None:
         seen.update(r.state for r in log[1])

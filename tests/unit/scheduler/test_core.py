@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.clock import FakeClock
-from runtime.ports import TurnRequest
+from runtime.ports import RateLimitInfo, TurnRequest
 from scheduler.config import ProviderLimits, SandboxPoolConfig, SchedulerConfig
 from scheduler.core import Admitted, PermitGranted, Refused, SchedulerCore, SettleResult
 from scheduler.errors import Predicate, SchedulerInputError
@@ -308,3 +308,57 @@ def test_metrics_hooks_see_waits_429s_levels_and_refusals(clock: FakeClock) -> N
     assert ("refused", "turn", "batch", "deadline") in metrics.events
     assert ("429", KEY) in metrics.events
     assert {("level", "tokens"), ("level", "requests")} <= set(metrics.events)
+
+
+def test_queueing_is_bounded_by_the_requests_deadline_not_a_per_call_span(clock: FakeClock) -> None:
+    # Given a key allowing 1 request a minute, already used, and a turn whose trajectory has 240 s left
+    limits = ProviderLimits(tokens_per_minute=60_000, requests_per_minute=1, headroom=0.0)
+    core = SchedulerCore(SchedulerConfig(providers={KEY: limits}), clock, id_prefix="q")
+    clock.advance(60.0)
+    core.submit_turn(turn(clock, tokens=10))
+    assert admitted(core.tick())
+    ticket = core.submit_turn(turn(clock, tokens=10, deadline_in=240.0))
+    # When it waits well past any per-call deadline (30 s) for the minute to pass
+    clock.advance(45.0)
+    assert core.tick() == []
+    clock.advance(15.0)
+    # Then it is admitted, not refused: its bound is the trajectory's deadline
+    [decision] = core.tick()
+    assert isinstance(decision, Admitted) and decision.ticket == ticket
+    assert decision.waited_s == pytest.approx(60.0)
+
+
+def test_a_turn_is_refused_for_its_deadline_only_when_the_deadline_passes(clock: FakeClock) -> None:
+    # Given a key paused by a 429 whose retry hint outlasts the turn's deadline
+    core = SchedulerCore(CONFIG, clock, id_prefix="d")
+    clock.advance(60.0)
+    core.report_rate_limited(KEY, 600.0, {})
+    ticket = core.submit_turn(turn(clock, tokens=10, deadline_in=120.0))
+    # When time runs up to just before the deadline, Then nothing is decided early
+    clock.advance(119.9)
+    assert core.tick() == []
+    # And at the deadline it is refused with predicate "deadline", naming what it waited for
+    clock.advance(0.1)
+    [decision] = core.tick()
+    assert isinstance(decision, Refused) and decision.ticket == ticket
+    assert (decision.predicate, decision.message) == (
+        Predicate.DEADLINE,
+        "deadline passed while waiting for turn",
+    )
+
+
+def test_a_queued_turn_larger_than_a_newly_learned_limit_is_refused_not_left_blocking(
+    clock: FakeClock,
+) -> None:
+    # Given a 50k-token turn queued on a key configured for 60k tokens a minute, and a small one behind it
+    core = SchedulerCore(CONFIG, clock, id_prefix="l")
+    big = core.submit_turn(turn(clock, tokens=50_000))
+    small = core.submit_turn(turn(clock, tokens=100))
+    # When the provider states its real token limit is 10k a minute
+    core.report_limits(KEY, RateLimitInfo(limit_tokens=10_000), rate_limited=False)
+    clock.advance(60.0)
+    decisions = core.tick()
+    # Then the big turn is refused as one that can never fit, and the small one behind it goes
+    refused = [d for d in decisions if isinstance(d, Refused)]
+    assert [(d.ticket, d.predicate) for d in refused] == [(big, Predicate.EXCEEDS_CAPACITY)]
+    assert [d.ticket for d in admitted(decisions)] == [small]

@@ -183,3 +183,43 @@ def test_tool_choice_naming_a_function_selects_it() -> None:
     choice = {"type": "function", "function": {"name": "deploy"}}
     plan = decide(parse_scenario("finish_after:1"), conversation(0), [EDIT, DEPLOY], choice)
     assert plan.calls[0].tool == "deploy"
+
+
+def test_script_calls_each_step_with_its_exact_arguments_then_answers() -> None:
+    # Given a two-step script
+    scenario = parse_scenario(
+        'script:[["git_add", {"repo_path": "/r", "files": ["a"]}], '
+        '["git_commit", {"repo_path": "/r", "message": "m"}]]'
+    )
+    user = {"role": "user", "content": "go"}
+    first = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "git_add"}}]}
+    # When the model is asked with no, one and two tool results
+    plans = [
+        decide(scenario, [user]),
+        decide(scenario, [user, first, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]),
+        decide(
+            scenario,
+            [
+                user,
+                first,
+                {"role": "tool", "tool_call_id": "c1"},
+                first,
+                {"role": "tool", "tool_call_id": "c1"},
+            ],
+        ),
+    ]
+    # Then it calls step 1, then step 2 with exactly the scripted arguments, then gives a final answer
+    assert [(c.tool, json.loads(c.arguments)) for p in plans[:2] for c in p.calls] == [
+        ("git_add", {"repo_path": "/r", "files": ["a"]}),
+        ("git_commit", {"repo_path": "/r", "message": "m"}),
+    ]
+    assert plans[2].finish is FinishReason.STOP and not plans[2].calls
+
+
+@pytest.mark.parametrize(
+    "text", ["script:", "script:{}", "script:[[1, {}]]", 'script:[["t", []]]', "script:[not json"]
+)
+def test_bad_scripts_are_refused(text: str) -> None:
+    # Given a malformed script, When parsed, Then it is refused naming the problem
+    with pytest.raises(ScenarioError, match="script"):
+        parse_scenario(text)

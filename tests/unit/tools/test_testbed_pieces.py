@@ -59,6 +59,58 @@ def test_fault_count_is_consumed_per_call_and_scoped_to_the_service() -> None:
     assert other == 1
 
 
+def test_rules_aimed_at_trajectories_hit_only_them_each_with_its_own_count() -> None:
+    # Given two drop-reply rules on one service: one trajectory loses a provisioning reply, another a release
+    injector = FaultInjector(
+        {"provision_env": "env-provisioner", "release_env": "env-provisioner"},
+        {
+            "env-provisioner": [
+                FaultPlan(
+                    mode=FaultMode.DUPLICATE,
+                    tools=frozenset({"provision_env"}),
+                    trajectories=frozenset({"lost-provision"}),
+                    count=1,
+                ),
+                FaultPlan(
+                    mode=FaultMode.DUPLICATE,
+                    tools=frozenset({"release_env"}),
+                    trajectories=frozenset({"lost-release"}),
+                    count=1,
+                ),
+            ]
+        },
+    )
+    from actors.tools_grpc.codec import ToolCall
+
+    def call(tool: str, tid: str) -> ToolCall:
+        return ToolCall(tool, {}, "k", "op", "a", 0.0, tid, "c", 0)
+
+    # When each trajectory (ids as a run prefixes them) calls both tools twice
+    hits = {
+        (tid, tool): [injector.deliveries(call(tool, f"run-1.{tid}")) for _ in range(2)]
+        for tid in ("lost-provision", "lost-release", "bystander")
+        for tool in ("provision_env", "release_env")
+    }
+    # Then each rule hit its own trajectory's tool once, and nothing else
+    assert hits == {
+        ("lost-provision", "provision_env"): [2, 1],
+        ("lost-provision", "release_env"): [1, 1],
+        ("lost-release", "provision_env"): [1, 1],
+        ("lost-release", "release_env"): [2, 1],
+        ("bystander", "provision_env"): [1, 1],
+        ("bystander", "release_env"): [1, 1],
+    }
+
+
+def test_fault_rules_parse_as_a_plan_or_a_list_and_errors_name_the_rule() -> None:
+    plans = parse_fault_plans('{"notifier": {"mode": "drop_reply"}, "test-runner": [{}, {"mode": "slow"}]}')
+    assert [p.mode for p in plans["notifier"]] == [FaultMode.DROP_REPLY]
+    assert [p.mode for p in plans["test-runner"]] == [FaultMode.NONE, FaultMode.SLOW]
+    with pytest.raises(InputError) as e:
+        parse_fault_plans('{"notifier": [{}, {"mode": "explode"}]}')
+    assert "--faults.notifier[1]" in str(e.value)
+
+
 def test_unknown_service_is_an_input_error() -> None:
     injector = FaultInjector({"run_tests": "test-runner"})
     with pytest.raises(InputError, match="unknown service"):

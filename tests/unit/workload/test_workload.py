@@ -48,6 +48,15 @@ def test_valid_workload_expands_templates() -> None:
         ("- just a list\n", "expected a mapping at the top level"),
         ("trajectories: [\n", "not valid YAML"),
         ("trajectories:\n  - id: 'has space'\n", "id must be 1-96 characters"),
+        (
+            "testbed_faults: {nope: {mode: fail, status: UNAVAILABLE}}\ntrajectories: [{id: a}]\n",
+            "unknown service 'nope'",
+        ),
+        (
+            "testbed_faults: {env-provisioner: [{mode: fail, status: UNAVAILABLE}, {mode: bogus}]}\n"
+            "trajectories: [{id: a}]\n",
+            "testbed_faults.env-provisioner[1]",
+        ),
     ],
 )
 def test_bad_workloads_say_what_and_where(text: str, expected: str) -> None:
@@ -57,6 +66,19 @@ def test_bad_workloads_say_what_and_where(text: str, expected: str) -> None:
     message = str(info.value)
     assert message.startswith("bad.yaml"), message
     assert expected in message, message
+
+
+def test_testbed_faults_take_a_plan_or_a_list_of_rules_per_service() -> None:
+    # Given a workload giving one service a plan and another a list of rules
+    text = (
+        "testbed_faults:\n  env-provisioner: {mode: fail, status: UNAVAILABLE, count: 1}\n"
+        "  notifier: [{mode: drop_reply, trajectories: [a]}, {mode: fail, status: UNAVAILABLE}]\n"
+        "trajectories: [{id: a}]\n"
+    )
+    # When it is parsed / Then both forms are kept as given
+    wl = parse_workload(text, "faults.yaml")
+    assert wl.testbed_faults["env-provisioner"] == {"mode": "fail", "status": "UNAVAILABLE", "count": 1}
+    assert [r["mode"] for r in wl.testbed_faults["notifier"]] == ["drop_reply", "fail"]  # type: ignore[index]
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:

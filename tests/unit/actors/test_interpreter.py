@@ -1,0 +1,179 @@
+"""The actor's interpreter (``actors.interpreter.Interpreter``) on in-memory ports, in one event loop.
+
+What only the interpreter decides, beyond the pure rules: when effects start relative to the durable
+append. A stop (kill) must not wait behind a slow append; every other effect must.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from actors.interpreter import Interpreter, InterpreterPorts
+from runtime.clock import FakeClock
+from runtime.inputs import ControlReceived
+from runtime.memstore import MemoryLogStore
+from runtime.ports import (
+    CancelToken,
+    ModelReply,
+    ModelRequest,
+    ProbeResult,
+    RateLimitInfo,
+    SandboxPermit,
+    Settlement,
+    ToolInvocation,
+    ToolOutcome,
+    TurnGrant,
+    TurnRequest,
+)
+from runtime.record import ControlAction, TrajectoryRecord
+from runtime.states import ExitReason, TrajectoryState
+
+from ..trajectory.sim import call, created, policy
+
+S = TrajectoryState
+
+
+class GatedLog(MemoryLogStore):
+    """A log whose appends wait while ``closed`` (a disk whose fsync stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = asyncio.Event()
+        self.open.set()
+        self.waiting = 0
+
+    async def append_many(self, trajectory_id: str, payloads: Sequence[bytes]) -> list[str]:
+        self.waiting += 1
+        try:
+            await self.open.wait()
+        finally:
+            self.waiting -= 1
+        return await super().append_many(trajectory_id, payloads)
+
+
+class OneCallModel:
+    async def complete(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
+        return call("run_tests", {"suite": "unit"}, 1)
+
+
+class HangingTools:
+    """Every call hangs until cancelled; probes know nothing."""
+
+    def __init__(self) -> None:
+        self.invoked: list[str] = []
+
+    async def invoke(self, invocation: ToolInvocation) -> ToolOutcome:
+        self.invoked.append(invocation.tool)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def probe(self, tool: str, effect_key: str, deadline: float) -> ProbeResult:
+        return ProbeResult(Settlement.UNKNOWN, None, "no record")
+
+    async def cancel(self, tool: str, effect_key: str) -> None:
+        return None
+
+
+class OpenAdmission:
+    async def admit_turn(self, request: TurnRequest) -> TurnGrant:
+        return TurnGrant("g", request.estimated_tokens, 1e12)
+
+    async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
+        return None
+
+    async def report_rate_limited(
+        self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
+    ) -> None:
+        return None
+
+    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+        return None
+
+    async def acquire_sandbox(
+        self, trajectory_id: str, pool: str, priority_class: str, deadline: float
+    ) -> SandboxPermit:
+        return SandboxPermit("p", pool, 1e12)
+
+    async def release_sandbox(self, permit_id: str) -> None:
+        return None
+
+
+class KillWatch:
+    """Hooks that note when the processes were torn down, relative to the log's gate."""
+
+    def __init__(self, log: GatedLog) -> None:
+        self.log = log
+        self.kills_while_append_waited: list[bool] = []
+
+    def on_event(self, record: TrajectoryRecord, event: Any) -> None:
+        return None
+
+    async def on_kill(self, record: TrajectoryRecord) -> None:
+        self.kills_while_append_waited.append(self.log.waiting > 0)
+
+
+async def _until(predicate: Any, what: str, steps: int = 2000) -> None:
+    for _ in range(steps):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def _waiting_on_a_tool() -> tuple[Interpreter, GatedLog, KillWatch, HangingTools]:
+    clock = FakeClock()
+    log = GatedLog()
+    tools = HangingTools()
+    ports = InterpreterPorts(
+        model=OneCallModel(), tools=tools, log=log, admission=OpenAdmission(), clock=clock
+    )
+    hooks = KillWatch(log)
+    interp = Interpreter("t1", policy(), ports, hooks)
+    await interp.create(created(clock))
+    await _until(lambda: tools.invoked and interp.record.state is S.WAITING_TOOL, "the call in flight")
+    return interp, log, hooks, tools
+
+
+def _kill() -> ControlReceived:
+    roles = {"alice": frozenset({"operator"})}
+    return ControlReceived("k1", ControlAction.KILL, "alice", "runaway", {}, roles)
+
+
+async def test_a_kill_tears_the_processes_down_while_its_append_is_still_waiting() -> None:
+    # Given a trajectory waiting on a tool call, and a log whose next append stalls
+    interp, log, hooks, tools = await _waiting_on_a_tool()
+    assert tools.invoked == ["run_tests"]
+    log.open.clear()
+    # When a kill is delivered
+    delivery = asyncio.ensure_future(interp.deliver(_kill()))
+    await _until(lambda: hooks.kills_while_append_waited, "the processes torn down")
+    # Then the processes went while the kill was not yet durable, and the answer waits for the log
+    assert hooks.kills_while_append_waited == [True]
+    assert not delivery.done()
+    log.open.set()
+    assert await delivery == "recorded"
+    assert interp.record.exit_reason is ExitReason.KILLED or interp.record.state is S.FINALIZING
+    await interp.close()
+
+
+async def test_other_effects_wait_for_the_append() -> None:
+    # Given a new trajectory whose first append after creation stalls
+    clock = FakeClock()
+    log = GatedLog()
+    tools = HangingTools()
+    ports = InterpreterPorts(
+        model=OneCallModel(), tools=tools, log=log, admission=OpenAdmission(), clock=clock
+    )
+    interp = Interpreter("t1", policy(), ports, KillWatch(log))
+    await interp.create(created(clock))
+    log.open.clear()
+    # When the model's reply is decided (a dispatch follows), nothing reaches the tool before the log
+    await _until(lambda: log.waiting > 0, "an append waiting")
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert tools.invoked == []
+    log.open.set()
+    await _until(lambda: tools.invoked == ["run_tests"], "the dispatch after the append")
+    await interp.close()
