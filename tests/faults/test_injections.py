@@ -411,8 +411,9 @@ async def test_budget_set_very_low_winds_down_within_it(
     assert run.book.test_runs == len(dispatched(run.events, "run_tests"))
 
 
+@pytest.mark.parametrize("mutation", [None, "no-budget-halt"], ids=["runtime", "control-no-budget-halt"])
 async def test_budget_set_very_low_produces_a_usable_partial_result(
-    ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed
+    ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed, mutation: str | None
 ) -> None:
     # Given nine tool turns wanted on a budget of three
     tid = unique("i8-partial")
@@ -423,9 +424,14 @@ async def test_budget_set_very_low_produces_a_usable_partial_result(
         redis_url,
         scenario="finish_after:9",
         grants=["run_tests"],
+        mutation=mutation,
         ceilings={"turns": 3, "tokens": 60_000, "wall_seconds": 300, "dollars": 1.0},
     )
     run = await ended(handle, tid, redis_url, testbed)
+    if mutation is not None:
+        # (control) without the wind-down the trajectory runs its nine turns: no partial result, nobody told
+        assert run.summary["result"]["status"] != "partial" and not run.summary["escalations"]
+        return
     # Then the result is machine-readable partial work: what was done (each run the testbed saw), what was
     # not, and the next action (a person, with its escalation and the handoff packet)
     partial = run.summary["result"]

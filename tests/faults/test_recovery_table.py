@@ -371,8 +371,9 @@ async def test_release_executed_with_its_reply_lost_is_not_marked_clean(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 11: repair episodes - a changed candidate is a new revision whose required checks run "
-    "again; earlier evidence keeps the scope of the revision it checked",
+    reason="issue 11 (not delivered by its repair episodes): a changed candidate is a new revision whose "
+    "required checks run again; earlier evidence keeps the scope of the revision it checked (the record has "
+    "no revisions)",
 )
 async def test_candidate_changes_after_a_check_and_its_checks_are_not_skipped(
     ray_local: None, redis_url: str, fast: ProviderThread, testbed: Testbed
