@@ -149,14 +149,15 @@ def _trusting_parser() -> None:
 
 
 def _no_deadline_on_the_wire() -> None:
-    """The tool client sends calls with a deadline a minute later than the call's own: the endpoint is
-    not told when the caller stops waiting, so its work outlives the call."""
+    """The tool client sends calls with a deadline 5 s later than the call's own: the endpoint is not told
+    when the caller stops waiting, so its work outlives the call. (5 s, not more: the testbed's teardown
+    lets every held call run out its deadline, and a minute of that was the suite's slowest teardown.)"""
     from actors.tools_grpc.client import GrpcToolPort
 
     original = GrpcToolPort.invoke
 
     async def invoke(self: GrpcToolPort, invocation: Any) -> Any:
-        return await original(self, dataclasses.replace(invocation, deadline=invocation.deadline + 60.0))
+        return await original(self, dataclasses.replace(invocation, deadline=invocation.deadline + 5.0))
 
     GrpcToolPort.invoke = invoke  # type: ignore[method-assign]
 
