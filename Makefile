@@ -75,7 +75,7 @@ test-stress: setup
 	@$(BIN)/python -c 'while True: pass' & b1=$$!; $(BIN)/python -c 'while True: pass' & b2=$$!; \
 	trap 'kill $$b1 $$b2 2>/dev/null; wait $$b1 $$b2 2>/dev/null; echo "busy loops $$b1 $$b2 stopped"' EXIT; \
 	echo "busy loops running: $$b1 $$b2"; \
-	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
+	TETHER_PARKED_FLEET=50 timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
 		--session-timeout=$(TEST_BUDGET_S) tests/integration tests/faults
 
 # The chaos suite (benchmarks/chaos.py): CHAOS_SEEDS seeded fault schedules against CHAOS_TRAJECTORIES

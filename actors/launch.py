@@ -129,6 +129,8 @@ class TrajectoryLaunch(_Frozen):
     keyring_path: str | None = None  # None: cluster default ($TETHER_KEYRING or .tether/keyring.yaml)
     approval_timeout_s: Positive = 300.0
     approval_quorum: int = Field(1, ge=1)
+    # roles the approving signers must cover together (each signer's roles come from the keyring)
+    approval_roles: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     tool_timeout_s: Positive = 30.0
     hibernate_after_s: Positive | None = None
     workspace_root: str | None = None  # sandbox workspaces (<root>/<trajectory id>); None: no sandbox

@@ -124,14 +124,15 @@ class TimerStore(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RelayDelivery:
-    """One entry read from the control stream. An entry that does not decode still comes through (with
-    ``error``) so the relay can audit and ack it instead of looping on it; ``trimmed`` marks a pending
-    entry whose message Redis trimmed away."""
+    """One entry read from a control partition. An entry that carries no decodable message still comes
+    through (``envelope`` None, ``problem`` the audit reason: ``MALFORMED``, ``MISSING_FIELD`` or
+    ``TRIMMED``, ``error`` the detail) so the relay can audit and ack it instead of looping on it."""
 
     entry_id: str
     envelope: ControlEnvelope | None
     error: str | None = None
-    trimmed: bool = False
+    partition: int = 0
+    problem: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +145,13 @@ class RelayClaim:
 
 
 class RelayStream(Protocol):
-    """The control stream as one relay of a consumer group sees it."""
+    """The partitioned control stream as one relay of a consumer group sees it, with the partition leases
+    that make each partition's reader unique (``cluster.control_leases``)."""
+
+    @property
+    def partitions(self) -> int:
+        """How many partitions the control stream has."""
+        ...
 
     async def ensure_group(self, group: str, *, start_id: str = "0") -> bool: ...
 
@@ -153,16 +160,35 @@ class RelayStream(Protocol):
         group: str,
         consumer: str,
         *,
+        partitions: Sequence[int],
         count: int = 16,
         block_ms: int | None = None,
-        pending: bool = False,
     ) -> list[RelayDelivery]: ...
 
-    async def ack(self, group: str, *entry_ids: str) -> int: ...
+    async def ack(self, group: str, partition: int, *entry_ids: str) -> int: ...
 
     async def claim_stale(
-        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
+        self,
+        group: str,
+        consumer: str,
+        *,
+        partition: int,
+        min_idle_ms: int,
+        count: int = 16,
+        start_id: str = "0-0",
     ) -> RelayClaim: ...
+
+    async def beat(self, name: str, ttl_ms: int) -> list[str]:
+        """Announce this relay alive for ``ttl_ms``; the names of every live relay."""
+        ...
+
+    async def hold(self, name: str, partitions: Sequence[int], ttl_ms: int) -> set[int]:
+        """Renew this relay's leases among ``partitions`` and take the free ones; those it now holds."""
+        ...
+
+    async def release(self, name: str, partitions: Sequence[int]) -> int:
+        """Give back this relay's leases among ``partitions``."""
+        ...
 
     async def close(self) -> None: ...
 

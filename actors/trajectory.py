@@ -10,11 +10,13 @@ log, lets the interpreter run, and receives control messages and durable timers.
   dies (SIGKILL, node loss) the actor is rebuilt from the same launch, folds its log and continues. Budgets,
   spend, turn count and pending approvals carry over; an operation whose intent was logged but whose result
   was not is *unknown* and is not re-dispatched unless its repeat contract allows it (the decider decides).
-- ``deliver`` verifies a signed control message (signature, role, validity window, replay against the
-  record's seen ids and ``tether:nonces:<id>``) before the harness records it; a refusal with a new message
-  id is audited in the trajectory's log (``ControlRejected``).
+- ``deliver(message, received_at)`` verifies a signed control message (signature, signers, role, validity
+  window judged when the relay read it) before it looks at anything seen: only then is a known id a
+  duplicate and a used nonce (``tether:nonces:<id>``) a replay; a refusal is audited in the trajectory's log
+  (``ControlRefused``, which never spends the id of a message that did not verify: issue 16).
 - Timers: durable timers (the deadline, an approval's expiry) are stored in the cluster's timer store; its
-  service calls ``fire_timer`` on whichever incarnation exists (re-creating a hibernated one first).
+  service (``cluster.timer_service``) calls ``fire_timer`` on whichever incarnation exists (re-creating a
+  hibernated one first).
 - Hibernation: when the decider asks for it during a long wait (approval, pause) the actor closes its
   ports, marks its status ``hibernated=1`` and exits for good; ``ensure_actor(load_launch(...))`` brings it
   back on the next signal or timer.
@@ -39,7 +41,7 @@ from actors.children import RayChildren
 from actors.interpreter import Interpreter, RunOutcome
 from actors.launch import TrajectoryLaunch, load_launch, save_launch
 from actors.metrics_ray import RayBackend
-from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier
+from actors.ports import MALFORMED, ClusterPorts, ControlEnvelope, ControlVerifier, VerifiedControl
 from actors.quarantine import QuarantineGate
 from actors.sandbox import Sandbox
 from actors.status import StatusPublisher, summarize
@@ -55,7 +57,7 @@ from runtime.memstore import check_trajectory_id
 from runtime.metrics import Metrics
 from runtime.observe import HookChain, MetricsHooks
 from runtime.ports import AdmissionPort, GuardPort
-from runtime.record import ControlAction, Lease, LeaseKind, TrajectoryRecord
+from runtime.record import AuditKind, ControlAction, Lease, LeaseKind, TrajectoryRecord
 
 __all__ = [
     "NAMESPACE",
@@ -74,6 +76,19 @@ TRAJECTORY_RESOURCE = "tether_trajectory"
 NONCE_KEY_PREFIX = "tether:nonces:"
 _NONCE_TTL_S = 2 * 86_400  # longer than any message's validity window (Verifier.max_ttl_s)
 _log = logging.getLogger(__name__)
+
+
+def _not_judged_here(_message_id: str, _nonce: str) -> bool:
+    return False  # replay is judged after verification, against the record and the nonce set
+
+
+def _refusal_reason(record: TrajectoryRecord, message_id: str) -> str:
+    """The reason the decider audited for refusing a verified message (an ended trajectory, a settle naming
+    nothing owed, ...), so the relay's audit names it rather than a guess."""
+    for entry in reversed(record.audit):
+        if entry.kind is AuditKind.CONTROL_REJECTED and entry.subject == message_id:
+            return entry.reason.upper()
+    return "TRAJECTORY_TERMINAL"
 
 
 def actor_name(trajectory_id: str) -> str:
@@ -149,8 +164,19 @@ class TrajectoryActor:
         finally:
             self._run_callers -= 1
 
-    async def deliver(self, message: bytes) -> str:
-        """Verify and record one signed control message: "recorded", "duplicate" or "rejected:<REASON>"."""
+    async def deliver(self, message: bytes, received_at: float | None = None) -> str:
+        """Verify, then record one signed control message: "recorded", "duplicate" or "rejected:<REASON>".
+
+        ``received_at`` (epoch seconds): when the relay read it from the control stream; its validity window
+        is judged then, not now (it may have waited for this actor to be placed). Never later than now, never
+        earlier than a day ago (the nonce set outlives every window judged that way).
+
+        Verify before dedupe (issue 16): the signature, the signers, their roles and the validity window
+        are checked before the message is compared with anything seen, so a copy that does not verify can
+        neither take a message id nor pass for a duplicate of the genuine message (it is refused and
+        audited, and the genuine one still applies when it comes). Only a verified message whose id the
+        record holds is a duplicate; only a verified message whose nonce was used is a replay.
+        """
         if self._exiting:
             # about to exit for hibernation: the relay must deliver again to the re-created actor
             raise RuntimeError(f"{actor_name(self.launch.trajectory_id)} is hibernating; deliver again")
@@ -161,18 +187,27 @@ class TrajectoryActor:
         except CodecError as e:
             _log.warning("undecodable control message for %s: %s", self.launch.trajectory_id, e)
             return f"rejected:{MALFORMED}"
+        if msg.trajectory_id != self.launch.trajectory_id:
+            await self._audit(harness, msg, "WRONG_TRAJECTORY", f"addressed to {msg.trajectory_id}")
+            return "rejected:WRONG_TRAJECTORY"
+        try:
+            # everything but replay: that is judged below, against the record, for verified messages only
+            verified = verifier.verify(msg, self._judged_at(received_at), _not_judged_here)
+        except ControlError as e:
+            await self._audit(harness, msg, e.reason, str(e))  # unverified: never spends the id
+            return f"rejected:{e.reason}"
         if msg.message_id in harness.record.seen_control_ids:
             return "duplicate"
         inflight = self._inflight.get(msg.message_id)
         if inflight is not None:
-            # The same message is being delivered right now (two relays, or a redelivery): whatever the
-            # first delivery answers, this one is its duplicate, never a second record or a "replay".
+            # The same verified message is being delivered right now (two relays, or a redelivery):
+            # whatever the first delivery answers, this one is its duplicate, never a second record.
             first = await asyncio.shield(inflight)
             return "duplicate" if first in ("recorded", "duplicate") else first
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._inflight[msg.message_id] = future
         try:
-            answer = await self._deliver_new(harness, verifier, msg)
+            answer = await self._deliver_new(harness, msg, verified)
         except asyncio.CancelledError:
             future.cancel()
             raise
@@ -186,22 +221,19 @@ class TrajectoryActor:
         finally:
             del self._inflight[msg.message_id]
 
+    def _judged_at(self, received_at: float | None) -> float:
+        now = self._clock.wall()
+        if received_at is None:
+            return now
+        return max(min(float(received_at), now), now - _NONCE_TTL_S / 2)
+
     async def _deliver_new(
-        self, harness: Interpreter, verifier: ControlVerifier, msg: ControlEnvelope
+        self, harness: Interpreter, msg: ControlEnvelope, verified: VerifiedControl
     ) -> str:
-        if msg.trajectory_id != self.launch.trajectory_id:
-            await self._audit(harness, msg, "WRONG_TRAJECTORY", f"addressed to {msg.trajectory_id}")
-            return "rejected:WRONG_TRAJECTORY"
-        nonce_used = bool(await self._client().sismember(self._nonce_key, msg.nonce))
-        try:
-            verified = verifier.verify(
-                msg,
-                self._clock.wall(),
-                lambda mid, _nonce: nonce_used or mid in harness.record.seen_control_ids,
-            )
-        except ControlError as e:
-            await self._audit(harness, msg, e.reason, str(e))
-            return f"rejected:{e.reason}"
+        """Record a verified message with a new id, unless its nonce was used (a replay)."""
+        if await self._client().sismember(self._nonce_key, msg.nonce):
+            await self._audit(harness, msg, "REPLAYED", f"message {msg.message_id}: nonce already used")
+            return "rejected:REPLAYED"
         payload: dict[str, Any] = dict(msg.payload)
         action = ControlAction(msg.action)
         if action in (ControlAction.APPROVE, ControlAction.DENY):
@@ -211,8 +243,9 @@ class TrajectoryActor:
         received = ControlReceived(msg.message_id, action, msg.issuer, msg.reason, payload, signer_roles)
         answer = await harness.deliver(received)
         if answer == "rejected":
-            return "rejected:TRAJECTORY_TERMINAL"
+            return f"rejected:{_refusal_reason(harness.record, msg.message_id)}"
         if answer == "recorded":
+            # the nonce set holds only verified, recorded messages
             client = self._client()
             await client.sadd(self._nonce_key, msg.nonce)
             await client.expire(self._nonce_key, _NONCE_TTL_S)

@@ -201,6 +201,7 @@ def build_policy(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajectory
         probe_timeout_s=launch.tool_timeout_s,
         approval_timeout_s=launch.approval_timeout_s,
         approval_quorum=launch.approval_quorum,
+        approval_roles=frozenset(launch.approval_roles),
         retry=RetryPolicy(
             max_attempts=launch.retry.max_attempts,
             base_backoff_s=launch.retry.base_backoff_s,

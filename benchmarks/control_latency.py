@@ -21,8 +21,17 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   groups in this process (SIGTERM, SIGKILL after the grace, wait until ``killpg(pgid, 0)`` fails).
 - ``hibernated_bytes``: Redis ``MEMORY USAGE`` summed over one hibernated trajectory's keys (log, launch,
   status, nonces), for H trajectories paused after a few turns.
+- ``parked`` (issue 16): P trajectories each hold a call for approval and hibernate (their actors exit);
+  one more runs a sandboxed command (live in WAITING_TOOL). Then every held call is approved at once
+  (``ControlClient.held_calls`` + ``decide_many``, what ``tether approve --all-pending`` does: one signed
+  message each, one round trip), and ``approve_all_s`` is the time from just before that publication until
+  every parked trajectory's status is terminal. Meanwhile interrupts go to the live trajectory one at a
+  time, and ``interrupt_ms`` is each one's control entry -> ``ControlRequested`` in its log (server clock):
+  what the wake-up storm costs a running trajectory. The local Ray declares ``--slots`` trajectory slots
+  (a trajectory actor is ~155 MB; 300 at once do not fit), so the relays wake them as slots free.
 
     .venv/bin/python -m benchmarks.control_latency [--trajectories 100] [--rounds 5] [--hibernated 10]
+    .venv/bin/python -m benchmarks.control_latency --only parked [--parked 300] [--repeats 3] [--slots 24]
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import statistics
 import tempfile
 import time
 import uuid
@@ -46,7 +57,7 @@ from actors.launch import CheckLaunch, ProviderLaunch
 from actors.relay import start_relays, stop_relays
 from actors.sandbox import Sandbox
 from actors.trajectory import NONCE_KEY_PREFIX, TrajectoryLaunch, ensure_actor, save_launch
-from benchmarks._common import environment, percentile, write_json, write_plot
+from benchmarks._common import RESULTS_DIR, environment, percentile, write_json, write_plot
 from cluster.adapters import ClusterAdapters
 from cluster.control import ControlAction
 from cluster.control_client import LAUNCH_PREFIX, ControlClient, status_key
@@ -367,7 +378,8 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     provider = start_provider_thread(ProviderConfig())
     keyring = workdir / "keyring.yaml"
     create_key("operator", [Role.OPERATOR], keyring)
-    start_local_ray()  # as a local tether run: loopback, actors at normal priority
+    # as a local tether run (loopback, actors at normal priority), with a slot for every live trajectory
+    start_local_ray(trajectory_slots=n + hibernated + 10)
     relays: list[Any] = []
     groups: dict[str, int] = {}
     fleet = Fleet(server.url, provider.base_url, keyring)
@@ -463,22 +475,326 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     }
 
 
+# --------------------------------------------------------------------------- the parked fleet
+
+
+def commit() -> str:
+    """The commit the numbers were measured at (``+dirty`` when the tree had changes)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _mem_available_mb() -> int:
+    from actors.incarnation import memory_available_bytes
+
+    available = memory_available_bytes()
+    return -1 if available is None else available // 2**20
+
+
+def _park_launch(fleet: Fleet, prefix: str) -> str:
+    """A trajectory that proposes one ``sleep`` call, held for approval, and hibernates a second later."""
+    tid = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    launch = TrajectoryLaunch(
+        trajectory_id=tid,
+        goal="wait for an approval",
+        ceilings={"tokens": 1_000_000},
+        grants=("sleep",),
+        local_tools=("sleep",),
+        approval_required=("sleep",),
+        approval_timeout_s=86_400.0,  # only the approval ends the wait
+        hibernate_after_s=1.0,
+        created_at=time.time(),
+        deadline_s=86_400.0,
+        metadata={"scenario": "irreversible:sleep"},
+        provider=ProviderLaunch(base_url=fleet.provider_url, model="sim"),
+        redis_url=fleet.url,
+        use_scheduler=False,
+        guard="local",
+        keyring_path=str(fleet.keyring),
+        completion_check=CheckLaunch(name="always"),
+    )
+    save_launch(fleet.url, launch)
+    fleet.runs.append(ensure_actor(launch, ClusterAdapters()).run.remote())
+    return tid
+
+
+async def _statuses(fleet: Fleet, tids: list[str]) -> list[dict[bytes, bytes]]:
+    pipe = fleet.redis.pipeline(transaction=False)
+    for tid in tids:
+        pipe.hgetall(status_key(tid))
+    return list(await pipe.execute())
+
+
+async def _until_all(fleet: Fleet, tids: list[str], check: Any, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = await _statuses(fleet, tids)
+        left = sum(1 for row in rows if not check(row))
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{left} of {len(tids)} trajectories never reached {what}")
+        await asyncio.sleep(0.25)
+
+
+def _parked(row: dict[bytes, bytes]) -> bool:
+    return row.get(b"hibernated") == b"1" and bool(row.get(b"held_digest"))
+
+
+def _terminal(row: dict[bytes, bytes]) -> bool:
+    return row.get(b"state", b"").decode() in {s.value for s in _TERMINAL}
+
+
+async def _interrupts(
+    fleet: Fleet,
+    live: str,
+    *,
+    count: int | None = None,
+    stop: asyncio.Event | None = None,
+    into: list[float] | None = None,
+) -> list[float]:
+    """Interrupts to the live trajectory one at a time (10 per second at most), each timed from its control
+    entry to its ``ControlRequested`` log entry (server clock), ``count`` of them or until ``stop`` is set."""
+    samples = [] if into is None else into
+    k = 0
+    while (count is None or k < count) and (stop is None or not stop.is_set()):
+        s = await fleet.client.send(
+            live, ControlAction.INTERRUPT, issuer="operator", payload={"message": f"i{k}"}, check_known=False
+        )
+        mid = s.message.message_id
+        at = await _await_entry(
+            fleet,
+            live,
+            lambda e, mid=mid: isinstance(e, ControlRequested) and e.message_id == mid,
+            "interrupt",
+        )
+        samples.append(float(at - entry_ms(s.entry_id)))
+        k += 1
+        await asyncio.sleep(0.1)
+    return samples
+
+
+async def stuck_entries(
+    fleet: Fleet, live: str, relays: list[Any], entries: int, count: int
+) -> dict[str, Any]:
+    """Interrupt latency of the live trajectory while ``entries`` messages cannot be delivered: each is for a
+    parked trajectory whose actor needs a resource no node has, so its relay lane waits for a placement
+    that never comes (the relay's other lanes go on)."""
+    tids = []
+    for i in range(entries):
+        tid = f"stuck-{i}-{uuid.uuid4().hex[:6]}"
+        launch = TrajectoryLaunch(
+            trajectory_id=tid,
+            goal="never placed",
+            ceilings={"tokens": 1_000},
+            created_at=time.time(),
+            provider=ProviderLaunch(base_url=fleet.provider_url, model="sim"),
+            redis_url=fleet.url,
+            keyring_path=str(fleet.keyring),
+            resources={"nowhere": 1.0},
+        )
+        save_launch(fleet.url, launch)
+        tids.append(tid)
+    for tid in tids:
+        await fleet.client.send(tid, ControlAction.RESUME, issuer="operator", check_known=False)
+
+    async def all_stuck() -> bool:
+        stats = [await h.stats.remote() for h in relays]
+        return sum(int(st.get("lanes", 0)) for st in stats) >= entries
+
+    deadline = time.monotonic() + 300.0
+    while not await all_stuck():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the stuck entries never reached the relays")
+        await asyncio.sleep(0.2)
+    await fleet.new_log_entries(live)
+    samples = await _interrupts(fleet, live, count=count)
+    pending = sum([int((await h.stats.remote()).get("queued", 0)) for h in relays])
+    # Clean up: without a launch they are unknown (audited, acked); their pending actors are killed.
+    for tid in tids:
+        await fleet.redis.delete(f"{LAUNCH_PREFIX}{tid}")
+    for tid in tids:
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(f"traj:{tid}", namespace="tether"), no_restart=True)
+    return {
+        "entries": entries,
+        "still_queued_after": pending,
+        "interrupt_ms": {"p50": round(percentile(samples, 50), 2), "p99": round(percentile(samples, 99), 2)},
+        "samples": len(samples),
+    }
+
+
+async def parked_round(fleet: Fleet, live: str, n: int, repetition: int) -> dict[str, Any]:
+    """Park N trajectories, approve them all at once; time until all are terminal, interrupts meanwhile."""
+    t0 = time.perf_counter()
+    tids = [_park_launch(fleet, f"park{repetition}") for _ in range(n)]
+    await _until_all(fleet, tids, _parked, "hibernation while holding a call", timeout_s=3600.0)
+    park_s = time.perf_counter() - t0
+    await fleet.new_log_entries(live)  # move the live trajectory's cursor past everything so far
+    mem_before = _mem_available_mb()
+    mine = set(tids)
+    held = [h for h in await fleet.client.held_calls(tool="sleep") if h.trajectory_id in mine]
+    assert len(held) == n, f"{len(held)} of {n} held calls listed"
+
+    baseline = await _interrupts(fleet, live, count=50)
+    done = asyncio.Event()
+    interrupts: list[float] = []
+
+    async def interrupt_meanwhile() -> None:
+        await _interrupts(fleet, live, stop=done, into=interrupts)
+
+    sampler = asyncio.ensure_future(interrupt_meanwhile())
+    lowest_mem = mem_before
+    started = time.perf_counter()
+    result = await fleet.client.decide_many(
+        ControlAction.APPROVE, [(h.trajectory_id, h.digest) for h in held], issuer="operator"
+    )
+    assert not result.refused and len(result.sent) == n
+    deadline = time.monotonic() + 3600.0
+    while True:
+        rows = await _statuses(fleet, tids)
+        lowest_mem = min(lowest_mem, _mem_available_mb())
+        if all(_terminal(r) for r in rows):
+            break
+        if time.monotonic() > deadline:
+            left = sum(1 for r in rows if not _terminal(r))
+            raise TimeoutError(f"{left} of {n} approved trajectories never ended")
+        await asyncio.sleep(0.25)
+    approve_all_s = time.perf_counter() - started
+    done.set()
+    await sampler
+    states = Counter(r.get(b"state", b"").decode() for r in rows)
+    return {
+        "n": n,
+        "park_s": round(park_s, 1),
+        "approve_all_s": round(approve_all_s, 1),
+        "interrupts": len(interrupts),
+        "interrupt_samples_ms": interrupts,
+        "baseline_samples_ms": baseline,
+        "states": dict(states),
+        "mem_available_mb_before": mem_before,
+        "mem_available_mb_lowest": lowest_mem,
+    }
+
+
+async def run_parked(n: int, repeats: int, slots: int, workdir: Path) -> dict[str, Any]:
+    load_at_start = round(os.getloadavg()[0], 2)
+    server = RedisServer(data_dir=workdir / "redis").start()
+    provider = start_provider_thread(ProviderConfig())
+    keyring = workdir / "keyring.yaml"
+    create_key("operator", [Role.OPERATOR], keyring)
+    start_local_ray(trajectory_slots=slots)
+    relays: list[Any] = []
+    groups: dict[str, int] = {}
+    fleet = Fleet(server.url, provider.base_url, keyring)
+    rounds: list[dict[str, Any]] = []
+    stuck: dict[str, Any] = {}
+    try:
+        relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
+        live = fleet.launch("live", workspaces=workdir / "workspaces")
+        await fleet.wait_status([live], lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
+        await sandbox_groups([live], groups)
+        for r in range(repeats):
+            rounds.append(await parked_round(fleet, live, n, r))
+            print(f"parked round {r}: {rounds[-1]['approve_all_s']} s to approve {n}", flush=True)
+        relay_stats = [ray.get(h.stats.remote()) for h in relays]
+        # last: the unplaceable trajectories' lanes keep waiting (and re-creating their pending actors from
+        # the relays' launch cache) until the relays stop
+        stuck = await stuck_entries(fleet, live, relays, entries=51, count=200)
+        print(f"stuck entries: {stuck['interrupt_ms']}", flush=True)
+    finally:
+        for pgid in groups.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        stop_relays(relays)
+        await fleet.close()
+        ray.shutdown()
+        provider.stop()
+        server.stop()
+    samples = [x for r in rounds for x in r.pop("interrupt_samples_ms")]
+    baseline = [x for r in rounds for x in r.pop("baseline_samples_ms")]
+    totals = [r["approve_all_s"] for r in rounds]
+    return {
+        "n": n,
+        "approve_all_s": round(statistics.median(totals), 1),
+        "approve_all_s_each": totals,
+        "interrupt_ms": {"p50": round(percentile(samples, 50), 2), "p99": round(percentile(samples, 99), 2)},
+        "interrupt_samples": len(samples),
+        "interrupt_idle_ms": {
+            "p50": round(percentile(baseline, 50), 2),
+            "p99": round(percentile(baseline, 99), 2),
+        },
+        "stuck": stuck,
+        "repetitions": rounds,
+        "commit": commit(),
+        "setup": {
+            "trajectory_slots": slots,
+            "relays": 2,
+            "woken_by_relays": sum(int(s.get("woken", 0)) for s in relay_stats),
+            "parked_scenario": "irreversible:sleep, approval_required sleep, hibernate_after_s 1",
+            "approve": "ControlClient.held_calls + decide_many (tether approve --all-pending): one signed "
+            "message per held call, published in one pipeline",
+            "live_trajectory": "one run_command sh -c 'sleep 3600 & wait' in WAITING_TOOL",
+            "load_avg_1m_at_start": load_at_start,
+            "ray_cpus": 2,
+        },
+        "notes": (
+            "approve_all_s: median over repetitions of the time from just before the approvals are published "
+            "until every parked trajectory's status is terminal (each is woken from its launch by a relay as "
+            "slots free, and runs its approved call to completion). interrupt_ms: one interrupt at a time to "
+            "the live trajectory during those windows, control entry -> ControlRequested in its log (server "
+            "clock, 1 ms resolution); target p99 100 ms. interrupt_idle_ms: the same, 50 per repetition just "
+            "before approving (no wake-ups going on). stuck: the same with 51 undeliverable entries held by "
+            "the relays (trajectories whose actors can never be placed), no wake-up storm."
+        ),
+        "environment": environment(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hibernated", type=int, default=10)
+    parser.add_argument("--parked", type=int, default=300, help="parked trajectories per repetition")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of the parked-fleet case")
+    parser.add_argument("--slots", type=int, default=24, help="trajectory slots the local Ray declares")
+    parser.add_argument(
+        "--only",
+        choices=["all", "live", "parked"],
+        default="all",
+        help="run one case; the other's results are kept from the last JSON",
+    )
     args = parser.parse_args()
+    previous = RESULTS_DIR / f"{NAME}.json"
+    result: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
-        result = asyncio.run(run(args.trajectories, args.rounds, args.hibernated, Path(tmp)))
+        if args.only in ("all", "live"):
+            kept = result.get("parked")
+            result = asyncio.run(run(args.trajectories, args.rounds, args.hibernated, Path(tmp) / "live"))
+            result["commit"] = commit()
+            if kept is not None:
+                result["parked"] = kept
+        if args.only in ("all", "parked"):
+            result["parked"] = asyncio.run(
+                run_parked(args.parked, args.repeats, args.slots, Path(tmp) / "parked")
+            )
     path = write_json(NAME, result)
     print(path)
-    print(
-        {
-            k: result[k]
-            for k in ("trajectories", "record_ms", "kill_ms", "sandbox_teardown_ms", "hibernated_bytes")
-        }
-    )
+    print({k: result.get(k) for k in ("trajectories", "record_ms", "kill_ms", "hibernated_bytes")})
+    parked_result = result.get("parked") or {}
+    print({k: parked_result.get(k) for k in ("n", "approve_all_s", "approve_all_s_each", "interrupt_ms")})
 
 
 if __name__ == "__main__":

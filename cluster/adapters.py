@@ -2,7 +2,8 @@
 
 ``actors/`` declares what it needs (``actors.ports.ClusterPorts``) and never imports ``cluster``; this
 module supplies it: the Redis log store, live events on ``tether:events``, signed-message verification
-against the keyring, the ``tether:control`` consumer-group transport and the ``tether:audit`` sink.
+against the keyring, the partitioned ``tether:control:<n>`` consumer-group transport with its partition
+leases, the ``tether:audit`` sink and the durable timer store.
 
 ``ClusterAdapters`` is a plain, stateless, module-level class, so it pickles by reference: the driver (or
 a relay) passes one to every actor it creates and the worker imports this module when it unpickles it.
@@ -12,7 +13,7 @@ Every method opens a fresh resource owned by the caller.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from actors.ports import (
 from actors.relay import AUDIT_STREAM
 from cluster.control import Claimed, ControlMessage, ControlStream, Delivery, LiveEvent, decode_message
 from cluster.control import encode_message as encode_control
+from cluster.control_leases import PartitionLeases
 from cluster.embedded import redis_errors
 from cluster.log_store import RedisLogStore
 from cluster.signing import Keyring, Verifier
@@ -138,10 +140,9 @@ def relay_delivery(delivery: Delivery) -> RelayDelivery:
     """A transport ``Delivery`` as the relay loop reads it."""
     if delivery.message is None:
         error = str(delivery.error) if delivery.error is not None else "no message"
-        # ControlStream reports a pending entry with no fields (trimmed away) with this wording
-        trimmed = delivery.error is not None and "no message" in str(delivery.error)
-        return RelayDelivery(delivery.entry_id, None, error, trimmed=trimmed)
-    return RelayDelivery(delivery.entry_id, envelope_of(delivery.message))
+        problem = delivery.problem.value if delivery.problem is not None else "MALFORMED"
+        return RelayDelivery(delivery.entry_id, None, error, delivery.partition, problem)
+    return RelayDelivery(delivery.entry_id, envelope_of(delivery.message), partition=delivery.partition)
 
 
 def relay_claim(claimed: Claimed) -> RelayClaim:
@@ -151,10 +152,16 @@ def relay_claim(claimed: Claimed) -> RelayClaim:
 
 
 class RelayControlStream:
-    """``actors.ports.RelayStream`` over ``ControlStream`` (consumer group, ack, ``XAUTOCLAIM``)."""
+    """``actors.ports.RelayStream`` over ``ControlStream`` (consumer group, ack, ``XAUTOCLAIM``) and
+    ``PartitionLeases`` (membership, one reader per partition), sharing one connection pool."""
 
     def __init__(self, stream: ControlStream) -> None:
         self.stream = stream
+        self.leases = PartitionLeases(stream.client, url=stream.url, prefix=stream.prefix)
+
+    @property
+    def partitions(self) -> int:
+        return self.stream.partitions
 
     async def ensure_group(self, group: str, *, start_id: str = "0") -> bool:
         return await self.stream.ensure_group(group, start_id=start_id)
@@ -164,23 +171,39 @@ class RelayControlStream:
         group: str,
         consumer: str,
         *,
+        partitions: Sequence[int],
         count: int = 16,
         block_ms: int | None = None,
-        pending: bool = False,
     ) -> list[RelayDelivery]:
-        found = await self.stream.read(group, consumer, count=count, block_ms=block_ms, pending=pending)
+        found = await self.stream.read(group, consumer, partitions=partitions, count=count, block_ms=block_ms)
         return [relay_delivery(d) for d in found]
 
-    async def ack(self, group: str, *entry_ids: str) -> int:
-        return await self.stream.ack(group, *entry_ids)
+    async def ack(self, group: str, partition: int, *entry_ids: str) -> int:
+        return await self.stream.ack(group, partition, *entry_ids)
 
     async def claim_stale(
-        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
+        self,
+        group: str,
+        consumer: str,
+        *,
+        partition: int,
+        min_idle_ms: int,
+        count: int = 16,
+        start_id: str = "0-0",
     ) -> RelayClaim:
         claimed = await self.stream.claim_stale(
-            group, consumer, min_idle_ms=min_idle_ms, count=count, start_id=start_id
+            group, consumer, partition=partition, min_idle_ms=min_idle_ms, count=count, start_id=start_id
         )
         return relay_claim(claimed)
+
+    async def beat(self, name: str, ttl_ms: int) -> list[str]:
+        return await self.leases.beat(name, ttl_ms)
+
+    async def hold(self, name: str, partitions: Sequence[int], ttl_ms: int) -> set[int]:
+        return await self.leases.hold(name, partitions, ttl_ms)
+
+    async def release(self, name: str, partitions: Sequence[int]) -> int:
+        return await self.leases.release(name, partitions)
 
     async def close(self) -> None:
         await self.stream.close()

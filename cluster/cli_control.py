@@ -3,6 +3,8 @@
     tether pause TRAJECTORY [--reason TEXT] [--as OPERATOR]
     tether interrupt TRAJECTORY --message TEXT [--reason TEXT] [--as OPERATOR]
     tether approve TRAJECTORY [--call DIGEST] [--as OPERATOR]      (deny likewise)
+    tether approve --all-pending [--tool TOOL]                     every held call (of TOOL), one message each
+    tether approve - < ids.txt                                     ids (or "ID DIGEST" lines) from stdin
     tether pending | tether status [TRAJECTORY] | tether watch [--for SECONDS]
 
 Redis: ``--redis URL``, else ``$TETHER_REDIS_URL``, else the URL the embedded server recorded in
@@ -19,8 +21,9 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NoReturn, Protocol, TypeVar
@@ -32,7 +35,14 @@ from rich.live import Live
 from rich.table import Table
 
 from cluster.control import ControlAction, LiveEvent
-from cluster.control_client import ControlClient, HeldCallView, Sent, TrajectoryStatus, UnknownTrajectory
+from cluster.control_client import (
+    BulkSent,
+    ControlClient,
+    HeldCallView,
+    Sent,
+    TrajectoryStatus,
+    UnknownTrajectory,
+)
 from cluster.embedded import REDIS_URL_ENV, check_redis_url, redact_url, tether_home
 from cluster.signing import DEFAULT_OPERATOR, ensure_default_operator, keyring_path
 from runtime.errors import DependencyError, InputError
@@ -120,6 +130,17 @@ class ClientLike(Protocol):
     async def statuses(self) -> list[TrajectoryStatus]: ...
 
     async def pending(self) -> list[HeldCallView]: ...
+
+    async def held_calls(self, *, tool: str | None = None) -> list[HeldCallView]: ...
+
+    async def decide_many(
+        self,
+        action: ControlAction | str,
+        decisions: Sequence[tuple[str, str | None]],
+        *,
+        issuer: str,
+        reason: str = "",
+    ) -> BulkSent: ...
 
     async def known(self, trajectory_id: str) -> bool: ...
 
@@ -260,10 +281,24 @@ class ControlCli:
 
     def _decision(self, action: ControlAction) -> Callable[..., None]:
         def command(
-            trajectory: _Traj,
+            trajectory: Annotated[
+                str | None,
+                typer.Argument(
+                    help="Trajectory id, or - to read ids (one per line, optionally ID DIGEST) from stdin."
+                ),
+            ] = None,
             call: Annotated[
                 str | None,
                 typer.Option("--call", help="Digest of the held call (default: the one held now)."),
+            ] = None,
+            all_pending: Annotated[
+                bool,
+                typer.Option(
+                    "--all-pending", help="Every call held for approval now (see `tether pending`)."
+                ),
+            ] = False,
+            tool: Annotated[
+                str | None, typer.Option("--tool", help="With --all-pending: only calls of this tool.")
             ] = None,
             reason: _ReasonOpt = "",
             issuer: _AsOpt = DEFAULT_OPERATOR,
@@ -271,11 +306,47 @@ class ControlCli:
             keyring: _KeyringOpt = None,
             ttl: _TtlOpt = 300.0,
         ) -> None:
-            def go(c: ClientLike) -> Awaitable[Sent]:
-                decide = c.approve if action is ControlAction.APPROVE else c.deny
-                return decide(trajectory, issuer=issuer, call_digest=call, reason=reason)
+            bulk = all_pending or trajectory == "-"
+            if all_pending and trajectory is not None:
+                _fail(f"{action} takes a trajectory id, - (ids from stdin) or --all-pending, not both", 2)
+            if not bulk and trajectory is None:
+                _fail(f"{action} needs a trajectory id, - (ids from stdin) or --all-pending", 2)
+            if tool is not None and not all_pending:
+                _fail("--tool selects among --all-pending; it needs --all-pending", 2)
+            if bulk and call is not None:
+                _fail("--call names one held call; in bulk, give ID DIGEST lines on stdin instead", 2)
+            if not bulk:
+                assert trajectory is not None
 
-            self._send(redis, keyring, ttl, issuer, go)
+                def go(c: ClientLike) -> Awaitable[Sent]:
+                    decide = c.approve if action is ControlAction.APPROVE else c.deny
+                    return decide(trajectory, issuer=issuer, call_digest=call, reason=reason)
+
+                self._send(redis, keyring, ttl, issuer, go)
+                return
+            lines = None if all_pending else _stdin_decisions(sys.stdin.read())
+
+            async def bulk_go(c: ClientLike) -> BulkSent:
+                if lines is None:
+                    held = await c.held_calls(tool=tool)
+                    decisions: list[tuple[str, str | None]] = [(h.trajectory_id, h.digest) for h in held]
+                else:
+                    decisions = lines
+                return await c.decide_many(action, decisions, issuer=issuer, reason=reason)
+
+            result = self._run(redis, keyring, bulk_go, issuer=issuer, ttl=ttl)
+            for sent in result.sent:
+                m = sent.message
+                typer.echo(f"{m.trajectory_id}  {m.payload.get('call_digest')}  message {m.message_id}")
+            for tid, why in result.refused:
+                typer.echo(f"error: {tid}: {why}", err=True)
+            what = f" of {tool}" if tool else ""
+            typer.echo(
+                f"sent {action} for {len(result.sent)} held call(s){what} as {issuer}"
+                + (f"; {len(result.refused)} refused" if result.refused else "")
+            )
+            if result.refused:
+                raise typer.Exit(2)
 
         command.__name__ = action.value
         return command
@@ -382,6 +453,21 @@ def _table(rows: dict[str, dict[str, str]]) -> Table:
     return table
 
 
+def _stdin_decisions(text: str) -> list[tuple[str, str | None]]:
+    """``ID`` or ``ID DIGEST`` per line (blank lines and ``#`` comments skipped)."""
+    out: list[tuple[str, str | None]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 2:
+            _fail(f"stdin line {number}: expected ID or ID DIGEST, got {line.strip()!r}", 2)
+        out.append((fields[0], fields[1] if len(fields) == 2 else None))
+    if not out:
+        _fail("no trajectory ids on stdin", 2)
+    return out
+
+
 def _fail(message: str, code: int) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -393,8 +479,14 @@ _HELP = {
     ControlAction.CANCEL: "Cancel at the next turn boundary (aborts a streaming model call).",
     ControlAction.KILL: "Kill now: abort the model call, kill its processes, mark in-flight calls in doubt.",
     ControlAction.INTERRUPT: "Deliver a user message into the trajectory's next turn.",
-    ControlAction.APPROVE: "Approve the held call (bound to its digest; re-checked before dispatch).",
-    ControlAction.DENY: "Deny the held call (the model receives a REFUSED observation).",
+    ControlAction.APPROVE: (
+        "Approve the held call (bound to its digest; re-checked before dispatch). In bulk: --all-pending "
+        "[--tool T], or - to read ids (or ID DIGEST lines) from stdin; each message is signed."
+    ),
+    ControlAction.DENY: (
+        "Deny the held call (the model receives a REFUSED observation). In bulk: --all-pending [--tool T], "
+        "or - to read ids (or ID DIGEST lines) from stdin."
+    ),
 }
 
 

@@ -1,9 +1,12 @@
 """Control messages: the versioned wire schema, its msgpack codec, and the Redis stream transport.
 
-Operators and policies append signed ``ControlMessage``s to ``tether:control``; relays read it through a
-consumer group, deliver to the trajectory actor, ``XACK`` once the actor has durably recorded the request,
-and take over a dead relay's pending entries with ``XAUTOCLAIM`` (ARCHITECTURE.md, "Control protocol";
-issue 4, "Transport"). Delivery is at-least-once: consumers dedupe by ``message_id``.
+Operators and policies append signed ``ControlMessage``s to ``tether:control:<n>``, the partition of the
+message's trajectory (``partition_of``: CRC-32 of the id modulo ``CONTROL_PARTITIONS``); relays read the
+partitions through one consumer group, each partition by one relay at a time (``cluster.control_leases``),
+deliver to the trajectory actor, ``XACK`` once the actor has answered, and take over a dead relay's
+partitions with their pending entries (``XAUTOCLAIM``) (ARCHITECTURE.md, "Control protocol"; issues 4 and
+16). Delivery is at-least-once and, per trajectory, in publishing order: consumers dedupe by
+``message_id``.
 
 State changes go to ``tether:events`` (trimmed with ``MAXLEN ~``) for live views only: the per-trajectory
 log, not this stream, is the audit record.
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import secrets
 import uuid
+import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self, TypeVar, cast
@@ -37,6 +42,7 @@ from runtime.errors import CodecError
 from runtime.memstore import parse_entry_id
 
 __all__ = [
+    "CONTROL_PARTITIONS",
     "CONTROL_STREAM",
     "EVENTS_STREAM",
     "SCHEMA_VERSION",
@@ -45,16 +51,21 @@ __all__ = [
     "ControlMessage",
     "ControlStream",
     "Delivery",
+    "EntryProblem",
     "Identity",
     "LiveEvent",
     "decode_event",
     "decode_message",
     "encode_event",
     "encode_message",
+    "partition_of",
+    "partition_stream",
 ]
 
 SCHEMA_VERSION: Literal[1] = 1
-CONTROL_STREAM = "tether:control"
+CONTROL_STREAM = "tether:control"  # partition n is the stream "tether:control:<n>"
+CONTROL_PARTITIONS = 16
+MAX_PARTITIONS = 1024
 EVENTS_STREAM = "tether:events"
 MAX_MESSAGE_BYTES = 64 * 1024  # a control message is a few hundred bytes; refuse to unpack giants
 _FIELD = b"m"  # the one field of every stream entry: the encoded message or event
@@ -243,14 +254,36 @@ def _validate(model: type[M], doc: dict[str, Any], what: str) -> M:
 # --------------------------------------------------------------------------- transport
 
 
+def partition_of(trajectory_id: str, partitions: int = CONTROL_PARTITIONS) -> int:
+    """The partition carrying ``trajectory_id``'s control messages: CRC-32 of its UTF-8 id, modulo the
+    partition count (stable across processes and languages, unlike ``hash``)."""
+    return zlib.crc32(trajectory_id.encode()) % partitions
+
+
+def partition_stream(partition: int, prefix: str = CONTROL_STREAM) -> str:
+    """The Redis stream of one partition: ``tether:control:<n>``."""
+    return f"{prefix}:{partition}"
+
+
+class EntryProblem(StrEnum):
+    """Why an entry read from a partition carries no message (each is an audit reason)."""
+
+    MALFORMED = "MALFORMED"  # the message field does not decode (garbage, another schema version)
+    MISSING_FIELD = "MISSING_FIELD"  # the entry has fields, but not the message field (a foreign writer)
+    TRIMMED = "TRIMMED"  # a pending entry whose content Redis trimmed away before anyone delivered it
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """One entry read from the control stream. Exactly one of ``message`` / ``error`` is set: an entry
-    that does not decode is still delivered so the relay can audit and ack it instead of looping on it."""
+    """One entry read from a control partition. Exactly one of ``message`` / ``error`` is set: an entry
+    that does not decode is still delivered (with ``problem`` saying why) so the relay can audit and ack
+    it instead of looping on it."""
 
     entry_id: str
     message: ControlMessage | None
     error: CodecError | None
+    partition: int = 0
+    problem: EntryProblem | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +297,13 @@ class Claimed:
 
 
 class ControlStream:
-    """``tether:control`` (publish, consumer group, ack, claim) and ``tether:events`` (publish, read)."""
+    """The partitioned control streams (publish, consumer group, ack, claim) and ``tether:events``.
+
+    Control messages are spread over ``partitions`` streams ``tether:control:<n>`` by trajectory
+    (``partition_of``), so all of one trajectory's messages are in one stream, in the order they were
+    published, and a relay that holds a partition's lease reads them in that order. Operators and relays
+    must agree on ``partitions`` (the default, ``CONTROL_PARTITIONS``, everywhere).
+    """
 
     def __init__(
         self,
@@ -272,15 +311,19 @@ class ControlStream:
         *,
         url: str = "redis",
         stream: str = CONTROL_STREAM,
+        partitions: int = CONTROL_PARTITIONS,
         events_stream: str = EVENTS_STREAM,
         events_maxlen: int = 10_000,
         owns_client: bool = False,
     ) -> None:
         if events_maxlen < 1:
             raise ValueError(f"events_maxlen must be >= 1, got {events_maxlen}")
+        if not 1 <= partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be 1..{MAX_PARTITIONS}, got {partitions}")
         self._client = client
         self._url = url
-        self.stream = stream
+        self.prefix = stream
+        self.partitions = partitions
         self.events_stream = events_stream
         self.events_maxlen = events_maxlen
         self._owns_client = owns_client
@@ -295,6 +338,25 @@ class ControlStream:
     def url(self) -> str:
         return redact_url(self._url)
 
+    @property
+    def client(self) -> aioredis.Redis:
+        """The Redis client (for the lease table, which shares the connection pool)."""
+        return self._client
+
+    def stream_of(self, trajectory_id: str) -> str:
+        """The stream that carries ``trajectory_id``'s messages."""
+        return partition_stream(partition_of(trajectory_id, self.partitions), self.prefix)
+
+    def stream(self, partition: int) -> str:
+        """The stream of partition ``partition``."""
+        if not 0 <= partition < self.partitions:
+            raise ValueError(f"partition must be 0..{self.partitions - 1}, got {partition}")
+        return partition_stream(partition, self.prefix)
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.stream(p) for p in range(self.partitions)]
+
     async def close(self) -> None:
         if self._owns_client:
             await self._client.aclose()
@@ -306,97 +368,167 @@ class ControlStream:
         await self.close()
 
     async def publish(self, message: ControlMessage) -> str:
-        """Append a (signed) message; returns the stream entry id once Redis acknowledged it."""
+        """Append a (signed) message to its trajectory's partition; returns the entry id once Redis
+        acknowledged it."""
         data = encode_message(message)
-        with redis_errors(self._url, f"publishing to {self.stream}"):
-            return _text(await self._client.xadd(self.stream, {_FIELD: data}))
+        stream = self.stream_of(message.trajectory_id)
+        with redis_errors(self._url, f"publishing to {stream}"):
+            return _text(await self._client.xadd(stream, {_FIELD: data}))
 
-    async def ensure_group(self, group: str, *, start_id: str = "0") -> bool:
-        """Create the consumer group (and the stream) if missing; True if this call created it.
+    async def publish_many(self, messages: Sequence[ControlMessage]) -> list[str]:
+        """Append many (signed) messages in one round trip, in order; returns their entry ids."""
+        if not messages:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for message in messages:
+            pipe.xadd(self.stream_of(message.trajectory_id), {_FIELD: encode_message(message)})
+        with redis_errors(self._url, f"publishing {len(messages)} messages to {self.prefix}:*"):
+            ids = await pipe.execute()
+        return [_text(i) for i in ids]
+
+    async def ensure_group(
+        self, group: str, *, partitions: Iterable[int] | None = None, start_id: str = "0"
+    ) -> bool:
+        """Create the consumer group (and the streams) where missing; True if this call created any.
 
         ``start_id="0"`` lets a new group see messages published before any relay started.
         """
-        with redis_errors(self._url, f"creating consumer group {group!r} on {self.stream}"):
-            try:
-                await self._client.xgroup_create(self.stream, group, id=start_id, mkstream=True)
-            except redis.exceptions.ResponseError as e:
-                if str(e).startswith("BUSYGROUP"):
-                    return False
-                raise
-        return True
+        created = False
+        for p in range(self.partitions) if partitions is None else partitions:
+            stream = self.stream(p)
+            with redis_errors(self._url, f"creating consumer group {group!r} on {stream}"):
+                try:
+                    await self._client.xgroup_create(stream, group, id=start_id, mkstream=True)
+                    created = True
+                except redis.exceptions.ResponseError as e:
+                    if not str(e).startswith("BUSYGROUP"):
+                        raise
+        return created
 
     async def read(
         self,
         group: str,
         consumer: str,
         *,
+        partitions: Sequence[int] | None = None,
         count: int = 16,
         block_ms: int | None = None,
         pending: bool = False,
     ) -> list[Delivery]:
-        """New entries for ``consumer`` (``XREADGROUP >``), or with ``pending=True`` the entries already
-        delivered to it and not acked (what a restarted consumer of the same name must finish first)."""
-        with redis_errors(self._url, f"reading {self.stream} as {group}/{consumer}"):
+        """New entries of ``partitions`` (default: all) for ``consumer`` (``XREADGROUP >``), or with
+        ``pending=True`` the entries already delivered to it and not acked. Entries come grouped by
+        partition, each partition's in stream order."""
+        chosen = list(range(self.partitions)) if partitions is None else list(partitions)
+        if not chosen:
+            return []
+        streams: dict[Any, Any] = {self.stream(p): ("0" if pending else ">") for p in chosen}
+        with redis_errors(self._url, f"reading {self.prefix}:* as {group}/{consumer}"):
             reply = cast(
                 _StreamsReply,
-                await self._client.xreadgroup(
-                    group, consumer, {self.stream: "0" if pending else ">"}, count=count, block=block_ms
-                ),
+                await self._client.xreadgroup(group, consumer, streams, count=count, block=block_ms),
             )
-        return [_delivery(entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries]
+        out: list[Delivery] = []
+        for stream_name, entries in reply or []:
+            partition = self._partition_of_stream(_text(stream_name))
+            out.extend(_delivery(entry_id, fields, partition) for entry_id, fields in entries)
+        return out
 
-    async def ack(self, group: str, *entry_ids: str) -> int:
+    async def ack(self, group: str, partition: int, *entry_ids: str) -> int:
         """Acknowledge entries (only after the request is durably recorded); returns how many were pending."""
         if not entry_ids:
             return 0
-        with redis_errors(self._url, f"acking on {self.stream}"):
-            return int(await self._client.xack(self.stream, group, *entry_ids))
+        stream = self.stream(partition)
+        with redis_errors(self._url, f"acking on {stream}"):
+            return int(await self._client.xack(stream, group, *entry_ids))
 
     async def claim_stale(
-        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 16, start_id: str = "0-0"
+        self,
+        group: str,
+        consumer: str,
+        *,
+        partition: int,
+        min_idle_ms: int,
+        count: int = 16,
+        start_id: str = "0-0",
     ) -> Claimed:
-        """Take over entries pending longer than ``min_idle_ms`` on any consumer (a dead relay's)."""
-        with redis_errors(self._url, f"claiming stale entries on {self.stream}"):
+        """Take over entries of one partition pending longer than ``min_idle_ms`` on any consumer
+        (``min_idle_ms=0``: every pending entry, as a relay does when it takes a partition over)."""
+        stream = self.stream(partition)
+        with redis_errors(self._url, f"claiming stale entries on {stream}"):
             reply = await self._client.xautoclaim(
-                self.stream, group, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count
+                stream, group, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count
             )
         next_start = cast(bytes, reply[0])
         entries = cast(_Entries, reply[1])
         deleted = cast(list[bytes], reply[2] if len(reply) > 2 else [])  # Redis >= 7 lists trimmed ids
         return Claimed(
-            deliveries=[_delivery(entry_id, fields) for entry_id, fields in entries],
+            deliveries=[_delivery(entry_id, fields, partition) for entry_id, fields in entries],
             next_start_id=_text(next_start),
             deleted_ids=[_text(d) for d in deleted],
         )
 
     async def pending_count(self, group: str) -> int:
-        """How many entries the group has delivered and not yet acked."""
-        with redis_errors(self._url, f"inspecting pending entries on {self.stream}"):
-            summary = await self._client.xpending(self.stream, group)
-        return int(summary["pending"])
+        """How many entries the group has delivered and not yet acked, over every partition."""
+        total = 0
+        for stream in self.streams:
+            with redis_errors(self._url, f"inspecting pending entries on {stream}"):
+                try:
+                    summary = await self._client.xpending(stream, group)
+                except redis.exceptions.ResponseError as e:
+                    if "NOGROUP" in str(e):
+                        continue  # nobody created the group on this partition yet: nothing pending
+                    raise
+            total += int(summary["pending"])
+        return total
+
+    async def lag(self, group: str) -> int:
+        """Entries published and not yet delivered to the group, plus delivered and not acked: zero when
+        the relays have handled everything (a stream without the group counts all its entries)."""
+        total = 0
+        for stream in self.streams:
+            with redis_errors(self._url, f"inspecting {stream}"):
+                if not await self._client.exists(stream):
+                    continue
+                groups = {_text(g["name"]): g for g in await self._client.xinfo_groups(stream)}
+                g = groups.get(group)
+                if g is None:
+                    total += int(await self._client.xlen(stream))
+                    continue
+                total += int(g["pending"]) + int(g.get("lag") or 0)
+        return total
 
     async def trim_delivered(self) -> int:
         """Drop entries that every consumer group has delivered and acked; returns how many went.
 
-        The floor is, per group, its oldest pending entry (or its last delivered one when nothing is
-        pending); entries at or above the lowest floor stay, so nothing unacked or undelivered is lost.
-        Control messages are not trimmed on publish for that reason (a MAXLEN could drop pending ones).
+        Per partition, the floor is, per group, its oldest pending entry (or its last delivered one when
+        nothing is pending); entries at or above the lowest floor stay, so nothing unacked or undelivered
+        is lost. Control messages are not trimmed on publish for that reason (a MAXLEN could drop pending
+        ones).
         """
-        with redis_errors(self._url, f"trimming {self.stream}"):
-            if not await self._client.exists(self.stream):
-                return 0
-            groups = await self._client.xinfo_groups(self.stream)
-            if not groups:
-                return 0
-            floors: list[str] = []
-            for group in groups:
-                if group["pending"]:
-                    summary = await self._client.xpending(self.stream, group["name"])
-                    floors.append(_text(summary["min"]))
-                else:
-                    floors.append(_text(group["last-delivered-id"]))
-            floor = min(floors, key=parse_entry_id)
-            return int(await self._client.xtrim(self.stream, minid=floor, approximate=False))
+        removed = 0
+        for stream in self.streams:
+            with redis_errors(self._url, f"trimming {stream}"):
+                if not await self._client.exists(stream):
+                    continue
+                groups = await self._client.xinfo_groups(stream)
+                if not groups:
+                    continue
+                floors: list[str] = []
+                for group in groups:
+                    if group["pending"]:
+                        summary = await self._client.xpending(stream, group["name"])
+                        floors.append(_text(summary["min"]))
+                    else:
+                        floors.append(_text(group["last-delivered-id"]))
+                floor = min(floors, key=parse_entry_id)
+                removed += int(await self._client.xtrim(stream, minid=floor, approximate=False))
+        return removed
+
+    def _partition_of_stream(self, name: str) -> int:
+        head, _, tail = name.rpartition(":")
+        if head != self.prefix or not tail.isdigit():
+            raise CodecError(f"not a partition of {self.prefix}", where=f"stream {name!r}")
+        return int(tail)
 
     async def publish_event(self, event: LiveEvent) -> str:
         """Append a state change to the events stream, trimming it to about ``events_maxlen`` entries."""
@@ -433,19 +565,24 @@ class ControlStream:
             return int(await self._client.xlen(self.events_stream))
 
 
-def _delivery(entry_id: bytes | str, fields: dict[bytes, bytes] | None) -> Delivery:
+def _delivery(entry_id: bytes | str, fields: dict[bytes, bytes] | None, partition: int) -> Delivery:
     entry = _text(entry_id)
-    data = (fields or {}).get(_FIELD)
+    where = f"{CONTROL_STREAM}:{partition} {entry}"
+    if fields is None:
+        # A pending entry whose content was trimmed reads back with no fields at all.
+        error = CodecError("the pending entry was trimmed before delivery", where=where)
+        return Delivery(entry, None, error, partition, EntryProblem.TRIMMED)
+    data = fields.get(_FIELD)
     if data is None:
-        # A pending entry whose message was trimmed reads back with no fields.
+        names = ", ".join(sorted(_text(k) for k in fields)) or "none"
         error = CodecError(
-            "the stream entry has no message (trimmed or foreign)", where=f"{CONTROL_STREAM} {entry}"
+            f"the entry has no message field {_FIELD.decode()!r} (fields: {names})", where=where
         )
-        return Delivery(entry, None, error)
+        return Delivery(entry, None, error, partition, EntryProblem.MISSING_FIELD)
     try:
-        return Delivery(entry, decode_message(data), None)
+        return Delivery(entry, decode_message(data), None, partition)
     except CodecError as e:
-        return Delivery(entry, None, e)
+        return Delivery(entry, None, e, partition, EntryProblem.MALFORMED)
 
 
 def _text(value: bytes | str) -> str:

@@ -14,7 +14,7 @@ Reads come from what the trajectory actors publish: the status snapshot hash ``t
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, cast
@@ -37,6 +37,7 @@ from runtime.events import ToolCallHeld
 __all__ = [
     "LAUNCH_PREFIX",
     "STATUS_PREFIX",
+    "BulkSent",
     "ControlClient",
     "HeldCallView",
     "NoHeldCall",
@@ -172,6 +173,19 @@ class Sent:
     message: ControlMessage
 
 
+@dataclass(frozen=True, slots=True)
+class BulkSent:
+    """What a bulk decision sent, and which trajectories it did not send to (and why)."""
+
+    sent: list[Sent]
+    refused: list[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    why: str
+
+
 class ControlClient:
     """Publish signed control messages and read the trajectories' status (async; one Redis pool)."""
 
@@ -302,6 +316,66 @@ class ControlClient:
         return await self.send(
             trajectory_id, ControlAction.DENY, issuer=issuer, reason=reason, payload={"call_digest": digest}
         )
+
+    async def decide_many(
+        self,
+        action: ControlAction | str,
+        decisions: Sequence[tuple[str, str | None]],
+        *,
+        issuer: str,
+        reason: str = "",
+    ) -> BulkSent:
+        """Approve or deny many held calls at once: one message per ``(trajectory, digest)``, each signed
+        on its own, published in one round trip. A digest of None means the call held now (from the status
+        snapshot); a trajectory that is unknown or holds nothing is refused (in ``refused``), not sent."""
+        action = ControlAction(action)
+        if action not in (ControlAction.APPROVE, ControlAction.DENY):
+            raise InputError(f"only approve and deny are sent in bulk, not {action}", where="action")
+        unresolved = [tid for tid, digest in decisions if not digest]
+        held = await self._held_digests(unresolved)
+        messages: list[ControlMessage] = []
+        refused: list[tuple[str, str]] = []
+        for tid, digest in decisions:
+            chosen = digest or held.get(tid)
+            if isinstance(chosen, _Refusal):
+                refused.append((tid, chosen.why))
+                continue
+            assert chosen is not None
+            payload: dict[str, JsonValue] = {"call_digest": chosen}
+            messages.append(self.build(tid, action, issuer=issuer, reason=reason, payload=payload))
+        entry_ids = await self.stream.publish_many(messages)
+        return BulkSent([Sent(e, m) for e, m in zip(entry_ids, messages, strict=True)], refused)
+
+    async def held_calls(self, *, tool: str | None = None) -> list[HeldCallView]:
+        """Calls held for approval now (from the status snapshots; no log reads), optionally one tool's."""
+        return [
+            s.held
+            for s in await self.statuses()
+            if s.held is not None and s.state == "AWAITING_APPROVAL" and (tool is None or s.held.tool == tool)
+        ]
+
+    async def _held_digests(self, trajectory_ids: Sequence[str]) -> dict[str, str | _Refusal]:
+        """The held digest of each trajectory, or why there is none (one pipelined round trip)."""
+        if not trajectory_ids:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for tid in trajectory_ids:
+            pipe.hgetall(status_key(tid))
+            pipe.exists(f"{LAUNCH_PREFIX}{tid}", log_key(tid))
+        with redis_errors(self._url, f"reading the status of {len(trajectory_ids)} trajectories"):
+            replies = await pipe.execute()
+        out: dict[str, str | _Refusal] = {}
+        for i, tid in enumerate(trajectory_ids):
+            raw, exists = replies[2 * i], replies[2 * i + 1]
+            status = TrajectoryStatus.from_hash(tid, raw) if raw else None
+            if status is None and not exists:
+                out[tid] = _Refusal("no such trajectory")
+            elif status is None or status.held is None:
+                state = status.state if status is not None else "?"
+                out[tid] = _Refusal(f"holds no call for approval (state {state})")
+            else:
+                out[tid] = status.held.digest
+        return out
 
     async def _held_digest(self, trajectory_id: str) -> str:
         status = await self.status(trajectory_id)

@@ -3,12 +3,13 @@
 1. ``Services`` starts what the workload needs and stops it on exit (also on Ctrl-C): the embedded Redis
    (unless ``TETHER_REDIS_URL`` is set), the simulated provider, the testbed tool services, a small local
    Ray on loopback (unless ``--address``), the scheduler actor with the provider's limits and the priority
-   classes, and the control relays (``relay:0`` .. ``relay:<n-1>``), so ``tether pause/approve/...`` act on
-   the trajectories while the run is going.
+   classes, the control relays (``relay:0`` .. ``relay:<n-1>``), so ``tether pause/approve/...`` act on
+   the trajectories while the run is going, and as many timer service replicas (``timers:<n>``), which fire
+   durable timers (expiries, deadlines) into the trajectories, waking hibernated ones.
 2. ``plan_launches`` turns every trajectory of the workload into a ``TrajectoryLaunch`` (stored in Redis, so
    anyone can re-create an actor later).
 3. ``Driver`` creates one trajectory actor per launch, waits for each ``run()``, follows hibernated ones
-   (waking them itself when a held approval expires, since silence is denial and must be recorded), and
+   until a relay or the timer service wakes them (waking them itself only without a timer service), and
    samples every trajectory's status snapshot to draw progress and a states-over-time timeline.
 4. ``RunResult.report()`` is the JSON report of issue 3, ``write_timeline_png`` the picture beside it.
 """
@@ -32,6 +33,7 @@ import redis.asyncio as aioredis
 
 from actors.contracts import ServerHints
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
+from actors.outage import DEFAULT_OUTAGE_BUDGET_S, Outage
 from actors.provider_tally import read_provider_tallies, summed
 from actors.status import status_key
 from actors.tools_mcp.config import McpRoute
@@ -266,6 +268,8 @@ def plan_launches(
             retry=retry,
             keyring_path=keyring_path,
             approval_timeout_s=workload.approval_timeout_s,
+            approval_quorum=workload.approval_quorum,
+            approval_roles=workload.approval_roles,
             tool_timeout_s=workload.tool_timeout_s,
             hibernate_after_s=workload.hibernate_after_s,
             workspace_root=workspace_root,
@@ -310,6 +314,7 @@ class Services:
         self.adapters = ClusterAdapters()  # actors.ports over Redis and the keyring, handed to every actor
         self.started_ray = False  # True when this run started its own local Ray (else it joined one)
         self.relay_handles: list[Any] = []
+        self.timer_handles: list[Any] = []
         self.mcp_catalog: dict[str, Any] = {}  # MCP server -> its tools' hints, listed at start
         # Handles of the actors we created: a non-detached actor lives as long as its creator holds one.
         self.actor_handles: list[Any] = []
@@ -391,15 +396,16 @@ class Services:
         self._stack.callback(ray.shutdown)
 
     def _start_relays(self) -> None:
-        """Start the control relays; stop on exit only the ones this run created (a cluster this run joined
-        may already run its own, which outlive us)."""
+        """Start the control relays and as many durable timer service replicas; stop on exit only the ones
+        this run created (a cluster this run joined may already run its own, which outlive us)."""
         import ray
 
         from actors.relay import NAMESPACE, relay_name, start_relays, stop_relays
+        from cluster.timer_service import start_timer_services, stop_timer_services, timer_service_name
 
-        def exists(n: int) -> bool:
+        def exists(name: str) -> bool:
             try:
-                ray.get_actor(relay_name(n), namespace=NAMESPACE)
+                ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
                 return False
             return True
@@ -407,12 +413,19 @@ class Services:
         count = self.options.relays
         if count == 0:
             return  # no control relays: the run takes no operator signals (tether pause/approve/...)
-        already = {n for n in range(count) if exists(n)}
+        already = {n for n in range(count) if exists(relay_name(n))}
         handles = start_relays(self.redis_url, count, adapters=self.adapters)
         self.relay_handles = handles
         ours = [h for n, h in enumerate(handles) if n not in already]
         if ours:
             self._stack.callback(stop_relays, ours)
+        # Timers fire from the cluster, never from this driver (ARCHITECTURE.md, "Durable timers").
+        already = {n for n in range(count) if exists(timer_service_name(n))}
+        timers = start_timer_services(self.redis_url, count, adapters=self.adapters)
+        self.timer_handles = timers
+        ours = [h for n, h in enumerate(timers) if n not in already]
+        if ours:
+            self._stack.callback(stop_timer_services, ours)
 
     def _start_scheduler(self) -> None:
         from actors.metrics_ray import RayBackend
@@ -612,12 +625,22 @@ def start_local_ray(
     *,
     num_cpus: int = 2,
     dashboard: bool = False,
-    trajectory_slots: int = 10_000,
+    trajectory_slots: int | None = None,
     metrics_export_port: int | None = None,
 ) -> None:
     """Start a small local Ray on loopback (namespace ``tether``) holding ``trajectory_slots`` trajectories:
-    what ``tether run`` uses without ``--address``, and the tests and benchmarks with it."""
+    what ``tether run`` uses without ``--address``, and the tests and benchmarks with it.
+
+    ``trajectory_slots`` None: as many as the machine's available memory holds at ~155 MB per trajectory
+    actor (``actors.incarnation.default_trajectory_slots``; ``$TETHER_TRAJECTORY_SLOTS`` overrides), so a
+    run wakes only what fits and the rest wait for a slot instead of exhausting memory.
+    """
     import ray
+
+    from actors.incarnation import default_trajectory_slots
+
+    if trajectory_slots is None:
+        trajectory_slots = default_trajectory_slots()
 
     prepare_local_ray()
     extra: dict[str, Any] = {}
@@ -671,7 +694,21 @@ Progress = Callable[[dict[str, int], int], None]  # (state counts, total)
 
 
 class Driver:
-    """Creates the actors, waits for every trajectory, samples their status for progress and timeline."""
+    """Creates the actors, waits for every trajectory, samples their status for progress and timeline.
+
+    It holds an actor's handle only while it waits on that actor's ``run()``: once the trajectory ended or
+    hibernated it lets go, so an exited actor's name is never pinned (while its owner holds a handle, Ray
+    keeps a dead named actor registered, and a relay looking the trajectory up found the dead actor and
+    could never wake it: issue 16) and a finished actor's trajectory slot is freed for the next one. Reads
+    of the status snapshots ride out a Redis outage within ``outage_budget_s`` (issue 13).
+
+    A hibernated trajectory is woken by a control message (the relays) or by its durable timers (an approval's
+    expiry, its deadline: the cluster's timer service, ``cluster.timer_service``), never by this driver,
+    which only watches (issue 10: expiry must not depend on the CLI being there). ``self_wake`` is for a
+    run without a timer service (``--relays 0``): then the driver re-creates the actor itself once the held
+    approval expired or the deadline passed. Either way, a trajectory still hibernated ``deadline_grace_s``
+    after its deadline is woken by the driver as a last resort.
+    """
 
     def __init__(
         self,
@@ -688,7 +725,12 @@ class Driver:
         # The harness ends a trajectory by its deadline itself; an actor that has not answered by then
         # is stuck (never placed, or wedged), and the run reports it instead of waiting forever.
         self.deadline_grace_s = DEADLINE_GRACE_S
-        self.handles: dict[str, Any] = {}
+        self.outage_budget_s = DEFAULT_OUTAGE_BUDGET_S
+        # An actor that died for good while its trajectory had not ended (its owner died: e.g. the relay
+        # that woke it) is re-created from its launch this many times; its log carries it on.
+        self.max_revivals = 3
+        self.live: dict[str, Any] = {}  # trajectory id -> handle, only while its run() is awaited
+        self.self_wake = True  # no timer service runs: wake on expiry and deadline ourselves
         self.supervision: dict[str, Any] = {}
 
     async def run(
@@ -716,10 +758,12 @@ class Driver:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await self._sample_once(client, started, on_progress)
+        with contextlib.suppress(Exception):  # the last picture is a view: Redis away must not fail the run
+            await self._sample_once(client, started, on_progress)
         with contextlib.suppress(Exception):  # a view: a report without it says nothing rather than fail
             self.supervision = await supervision_report(client)
-        await client.aclose()
+        with contextlib.suppress(Exception):
+            await client.aclose()
         return list(results)
 
     async def _until_set(self, stop: threading.Event | None) -> None:
@@ -732,17 +776,19 @@ class Driver:
     async def _follow(
         self, spec: TrajectorySpec, launch: TrajectoryLaunch, client: aioredis.Redis
     ) -> TrajectoryResult:
+        import ray
         import ray.exceptions
 
         from actors.trajectory import ensure_actor
 
-        handle = ensure_actor(launch, self.adapters)
-        self.handles[launch.trajectory_id] = handle  # kept until the run ends: the actor lives as long
+        tid = launch.trajectory_id
         error: str | None = None
         summary: dict[str, Any] = {}
         deadline_at = launch.created_at + launch.deadline_s  # epoch seconds
         give_up_at = deadline_at + self.deadline_grace_s
+        revivals = 0
         while True:
+            handle = self.live[tid] = ensure_actor(launch, self.adapters)
             try:
                 summary = await asyncio.wait_for(handle.run.remote(), max(0.0, give_up_at - time.time()))
             except TimeoutError:
@@ -752,30 +798,41 @@ class Driver:
                 )
                 break
             except ray.exceptions.RayActorError as e:
-                status = await self._status(client, launch.trajectory_id)
-                if status.get("hibernated") != "1":
+                if isinstance(e, ray.exceptions.ActorDiedError):
+                    # Dead for good: free its name even if someone else still pins the dead actor with a
+                    # handle, so the next ensure_actor creates a new incarnation instead of finding it.
+                    with contextlib.suppress(Exception):
+                        ray.kill(handle, no_restart=True)
+                status = await self._status(client, tid)
+                if status.get("hibernated") == "1":
+                    summary = {"hibernated": True}
+                elif status.get("state") in _TERMINAL:
+                    summary = await self._ended(client, launch)  # it ended and was collected before we asked
+                elif revivals < self.max_revivals:
+                    revivals += 1
+                    _log.warning("traj:%s died for good before it ended (%s); re-creating it", tid, e)
+                    summary = {"hibernated": True, "revive": True}
+                else:
                     error = f"actor died: {e}"
                     break
-                summary = {"hibernated": True}
             except ray.exceptions.RayTaskError as e:
                 error = f"{type(e.cause).__name__}: {e.cause}"
                 break
+            finally:
+                # Let go: a hibernated actor exits and a finished one is collected; neither stays pinned.
+                self.live.pop(tid, None)
+                del handle
             if not summary.get("hibernated"):
                 break
-            await self._until_woken(client, launch.trajectory_id, deadline_at)
-            handle = self.handles[launch.trajectory_id] = ensure_actor(launch, self.adapters)
+            if not summary.get("revive"):
+                ended = await self._until_woken(client, launch, deadline_at, give_up_at)
+                if ended is not None:
+                    summary = ended  # it ran to its end after a relay woke it: no need to create it again
+                    break
         if error is not None:
-            status = await self._status(client, launch.trajectory_id)
-            summary = {
-                "state": status.get("state", "UNKNOWN"),
-                "exit_reason": status.get("exit_reason") or None,
-                "turns": int(status.get("turns", 0)),
-                "tokens": int(status.get("tokens", 0)),
-                "dollars": float(status.get("dollars", 0.0)),
-                "binding_dimension": status.get("binding_dimension") or None,
-            }
+            summary = _summary_of(await self._status(client, tid))
         return TrajectoryResult(
-            id=launch.trajectory_id,
+            id=tid,
             name=spec.id,
             priority_class=spec.priority_class,
             state=str(summary["state"]),
@@ -792,24 +849,58 @@ class Driver:
             spend=dict(summary.get("spend") or {}),
         )
 
-    async def _until_woken(self, client: aioredis.Redis, trajectory_id: str, deadline_at: float) -> None:
-        """Wait while the trajectory hibernates; wake it ourselves when its held approval expires or its
-        deadline has passed (a woken actor records either and ends the trajectory)."""
+    async def _until_woken(
+        self, client: aioredis.Redis, launch: TrajectoryLaunch, deadline_at: float, give_up_at: float
+    ) -> dict[str, Any] | None:
+        """Wait while the trajectory hibernates. Returns its summary when it ended meanwhile (a relay or the
+        timer service woke it and it ran to its end), else None: then follow it again (it was woken, or it
+        is the driver's turn to wake it: see the class docstring)."""
+        trajectory_id = launch.trajectory_id
         while True:
             status = await self._status(client, trajectory_id)
+            if status.get("state") in _TERMINAL and status.get("hibernated") != "1":
+                return await self._ended(client, launch)
             if status.get("hibernated") != "1":
-                return  # a relay woke it (a control message arrived)
-            expires = status.get("held_expires_at")
-            if expires and time.time() >= float(expires):
-                return  # the expiry must be recorded: re-create the actor and let it refuse the call
-            if time.time() >= deadline_at:
-                return  # past its deadline: the re-created actor ends it as DEADLINE_EXCEEDED
+                return None  # a relay or the timer service woke it (a control message or a timer)
+            now = time.time()
+            if now >= give_up_at:
+                _log.warning("traj:%s still hibernates past its deadline; waking it", trajectory_id)
+                return None  # the timer service did not: the re-created actor ends it as DEADLINE_EXCEEDED
+            if self.self_wake:
+                expires = status.get("held_expires_at")
+                if expires and now >= float(expires):
+                    return None  # the expiry must be recorded: re-create the actor and let it refuse the call
+                if now >= deadline_at:
+                    return None  # past its deadline: the re-created actor ends it as DEADLINE_EXCEEDED
             await asyncio.sleep(self.poll_s)
 
-    @staticmethod
-    async def _status(client: aioredis.Redis, trajectory_id: str) -> dict[str, str]:
-        raw = await client.hgetall(status_key(trajectory_id))
-        return {_text(k): _text(v) for k, v in raw.items()}
+    async def _ended(self, client: aioredis.Redis, launch: TrajectoryLaunch) -> dict[str, Any]:
+        """The run summary of a trajectory that ended without us (its actor is gone): folded from its log,
+        the same summary its actor would have answered; from its status snapshot if the log cannot be read."""
+        from actors.status import summarize
+        from actors.wiring import build_policy, build_registry
+        from cluster.log_store import RedisLogStore
+        from runtime.codec import decode
+        from runtime.fold import fold
+
+        trajectory_id = launch.trajectory_id
+        store = RedisLogStore(client, url=self.redis_url, outage_s=self.outage_budget_s)
+        try:
+            events = [decode(payload) for _, payload in await store.read(trajectory_id)]
+            return summarize(fold(events, build_policy(launch, build_registry(launch))))
+        except Exception as e:  # a view: the snapshot says almost as much
+            _log.warning("traj:%s: summary from its status snapshot (log not folded: %s)", trajectory_id, e)
+            return _summary_of(await self._status(client, trajectory_id))
+
+    async def _status(self, client: aioredis.Redis, trajectory_id: str) -> dict[str, str]:
+        """The status snapshot; an unreachable Redis is waited for within the outage budget."""
+        outage = Outage(f"reading the status of {trajectory_id}", budget_s=self.outage_budget_s)
+
+        async def read() -> dict[str, str]:
+            raw = await client.hgetall(status_key(trajectory_id))
+            return {_text(k): _text(v) for k, v in raw.items()}
+
+        return await outage.call(read)
 
     async def _sample(self, client: aioredis.Redis, started: float, on_progress: Progress | None) -> None:
         while True:
@@ -828,6 +919,23 @@ class Driver:
         self.timeline.append((time.monotonic() - started, dict(counts)))
         if on_progress is not None:
             on_progress(dict(counts), len(self.launches))
+
+
+_TERMINAL = frozenset(
+    {TrajectoryState.COMPLETED.value, TrajectoryState.FAILED.value, TrajectoryState.CANCELED.value}
+)
+
+
+def _summary_of(status: dict[str, str]) -> dict[str, Any]:
+    """A run summary from a status snapshot (for a trajectory whose actor could not answer itself)."""
+    return {
+        "state": status.get("state", "UNKNOWN"),
+        "exit_reason": status.get("exit_reason") or None,
+        "turns": int(float(status.get("turns", 0) or 0)),
+        "tokens": int(float(status.get("tokens", 0) or 0)),
+        "dollars": float(status.get("dollars", 0.0) or 0.0),
+        "binding_dimension": status.get("binding_dimension") or None,
+    }
 
 
 async def supervision_report(client: aioredis.Redis) -> dict[str, Any]:
@@ -893,6 +1001,7 @@ def run_driver(
             asked = True
     driver = Driver(planned, services.redis_url, services.adapters)
     driver.poll_s = options.poll_s
+    driver.self_wake = not services.timer_handles  # the timer service wakes hibernated trajectories
     metrics = None
     if options.metrics_port is not None:
         from cluster.observe import start_driver_metrics

@@ -10,7 +10,7 @@ may sign the same message (quorum approvals, harness chapter Table 10: each sign
 
 ``Verifier.verify`` checks, in this order, and raises ``ControlError`` with the reason code of the first
 failure (``RejectReason``): shape (MALFORMED), a signature from the issuer (UNSIGNED), every signer known
-(UNKNOWN_ISSUER), every signature valid (BAD_SIGNATURE), every signer holding a role allowed for the action
+(UNKNOWN_KEY), every signature valid (BAD_SIGNATURE), every signer holding a role allowed for the action
 (WRONG_ROLE), the validity window (NOT_YET_VALID, EXPIRED), then replay (REPLAYED). Replay is checked last
 so a forged message can never mark a genuine nonce as used.
 """
@@ -104,7 +104,7 @@ class RejectReason(StrEnum):
 
     MALFORMED = "MALFORMED"
     UNSIGNED = "UNSIGNED"
-    UNKNOWN_ISSUER = "UNKNOWN_ISSUER"
+    UNKNOWN_KEY = "UNKNOWN_KEY"  # a signer whose key is not in the keyring
     BAD_SIGNATURE = "BAD_SIGNATURE"
     WRONG_ROLE = "WRONG_ROLE"
     NOT_YET_VALID = "NOT_YET_VALID"
@@ -420,7 +420,7 @@ class Verifier:
         for identity in signers:
             entry = self.keyring.get(identity)
             if entry is None:
-                raise reject(RejectReason.UNKNOWN_ISSUER, f"{identity!r} is not in the keyring")
+                raise reject(RejectReason.UNKNOWN_KEY, f"{identity!r} is not in the keyring")
             entries[identity] = entry
         signed = canonical_bytes(message)
         for identity, signature in message.signatures:

@@ -371,6 +371,9 @@ class Workload(_Strict):
     mcp_servers: dict[str, McpServerSpec] = Field(default_factory=dict)
     trajectories: Annotated[tuple[TrajectorySpec, ...], Field(min_length=1)]
     approval_timeout_s: PositiveFloat = 30.0  # silence until then is denial
+    approval_quorum: PositiveInt = 1  # distinct signers who must approve (their approvals accumulate)
+    # roles the approving signers must cover together (each signer's roles come from the keyring)
+    approval_roles: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     tool_timeout_s: PositiveFloat = 30.0
     hibernate_after_s: PositiveFloat | None = None  # waiting longer than this: the actor exits, state stays
     guard: Literal["actor", "local", "none"] = "actor"  # breaker + bulkhead per dependency scope

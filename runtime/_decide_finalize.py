@@ -104,7 +104,7 @@ def enter_finalizing(step: Step, reason: ExitReason, detail: str) -> None:
 
 def finalize(step: Step) -> bool:
     """FINALIZING: check a completion claim, unwind the cleanup graph (waiting for what is in flight, up to
-    the hard deadline), write the handoff packet and hand off what is still owed, release leases, disarm
+    the hard deadline), release leases, write the handoff packet and hand off what is still owed, disarm
     every timer, settle terminal. True when it reached the terminal state."""
     from runtime._decide_cleanup import finish_cleanup, unwind
 
@@ -114,10 +114,10 @@ def finalize(step: Step) -> bool:
         step.emit(CompletionChecked(rec.contract.completion_check.name, result.passed, result.detail))
     if not unwind(step):
         return False
-    finish_cleanup(step)
-    for lease in list(step.record.leases.values()):
+    for lease in list(step.record.leases.values()):  # before the packet: it lists only what is still held
         step.emit(LeaseReleased(lease.lease_id))
         step.do(ReleaseLease(lease))
+    finish_cleanup(step)
     step.disarm_all()
     rec = step.record
     assert rec.exit_reason is not None

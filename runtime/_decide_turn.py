@@ -62,7 +62,7 @@ from runtime.inputs import (
     ModelReplied,
 )
 from runtime.ports import ModelReply, ModelRequest, RateLimitInfo, StopReason, TurnRequest, Usage
-from runtime.record import ControlAction, JsonValue, TimerKind
+from runtime.record import ANY_STATE_ACTIONS, ControlAction, JsonValue, TimerKind
 from runtime.states import ExitReason, TrajectoryState
 
 __all__ = [
@@ -467,7 +467,7 @@ def on_control(step: Step, inp: ControlReceived) -> None:
     """A verified message is recorded durably (the relay acknowledges it only then) and applied at the next
     turn boundary; kill acts at once, and a pending stop aborts a streaming model call. An operator's
     settle or handoff acts on what the trajectory owes, at once and in any state."""
-    if inp.action in (ControlAction.SETTLE, ControlAction.HANDOFF):
+    if inp.action in ANY_STATE_ACTIONS:
         operator_act(step, inp)
         return
     if supervise.on_control(step, inp):  # issue 12: hold, release, acknowledge; resume under a hold

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from runtime.policy import TrajectoryPolicy
 
 __all__ = [
+    "ANY_STATE_ACTIONS",
     "ApprovalDecision",
     "AuditEntry",
     "AuditKind",
@@ -98,6 +99,11 @@ class ControlAction(StrEnum):
     HOLD = "hold"  # place a control hold, or an incident's hold (payload ``incident_id``)
     RELEASE = "release"  # lift a hold (an incident's only with its ``incident_id``)
     ACKNOWLEDGE = "acknowledge"  # take custody of an escalation (payload ``escalation_id``)
+
+
+ANY_STATE_ACTIONS: frozenset[ControlAction] = frozenset({ControlAction.SETTLE, ControlAction.HANDOFF})
+"""An operator's word on what the trajectory owes: applied at once in any state, terminal included (liability
+outlives the loop), so the relays deliver these to an ended trajectory too, waking it from its log."""
 
 
 class ApprovalDecision(StrEnum):

@@ -246,6 +246,13 @@ def _no_disclosure_rule() -> None:
     supervise.find_disclosure = lambda rules, tool, arguments: None
 
 
+def _no_cleanup() -> None:
+    """The cleanup graph never unwinds: FINALIZING hands every open obligation off without running it (the
+    first version's behaviour: compensation registered, never executed)."""
+    cleanup: Any = importlib.import_module("runtime._decide_cleanup")
+    cleanup.unwind = lambda step: True
+
+
 # name -> (what it does in the worker, how it wraps the log store)
 MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | None]] = {
     "forgetful-log": (None, ForgetfulLog),
@@ -260,6 +267,7 @@ MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | Non
     "unbound-probe": (_unbound_probe, None),  # issue 11
     "trusting-parent": (_trusting_parent, None),  # issue 12
     "no-disclosure-rule": (_no_disclosure_rule, None),  # issue 12
+    "no-cleanup": (_no_cleanup, None),  # issue 11
 }
 
 

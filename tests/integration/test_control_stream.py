@@ -1,18 +1,29 @@
-"""The control transport on a real redis-server: consumer groups, acks, takeover of a dead consumer's
-pending messages with XAUTOCLAIM, and the trimmed live-events stream."""
+"""The control transport on a real redis-server: partitions by trajectory, consumer groups, acks, takeover of
+a dead consumer's pending messages with XAUTOCLAIM, partition leases and relay membership, bulk publishing
+from the operator client, and the trimmed live-events stream."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from cluster.control import ControlAction, ControlMessage, ControlStream, Delivery, LiveEvent
-from cluster.signing import Keyring, Role, Verifier, sign
+from cluster.control import (
+    ControlAction,
+    ControlMessage,
+    ControlStream,
+    EntryProblem,
+    LiveEvent,
+    partition_of,
+)
+from cluster.control_client import ControlClient
+from cluster.control_leases import PartitionLeases
+from cluster.signing import Keyring, Role, Verifier, create_key, sign
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +32,8 @@ GROUP = "relays"
 
 @pytest.fixture
 async def stream(redis_url: str) -> AsyncIterator[ControlStream]:
-    async with ControlStream.from_url(redis_url, events_maxlen=10) as s:
+    """One partition, so every message below lands in the same stream (``tether:control:0``)."""
+    async with ControlStream.from_url(redis_url, partitions=1, events_maxlen=10) as s:
         yield s
 
 
@@ -29,8 +41,8 @@ def as_text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def message(n: int, action: ControlAction = ControlAction.PAUSE) -> ControlMessage:
-    return ControlMessage.create(f"t-{n}", action, "alice", now=1_700_000_000.0 + n, reason=f"#{n}")
+def message(n: int, action: ControlAction = ControlAction.PAUSE, tid: str | None = None) -> ControlMessage:
+    return ControlMessage.create(tid or f"t-{n}", action, "alice", now=1_700_000_000.0 + n, reason=f"#{n}")
 
 
 async def test_published_messages_reach_a_group_consumer_and_are_acked(stream: ControlStream) -> None:
@@ -44,11 +56,32 @@ async def test_published_messages_reach_a_group_consumer_and_are_acked(stream: C
 
     # Then it gets all three, decoded, in order, and they stay pending until acked
     assert [d.entry_id for d in got] == entry_ids
-    assert [d.message for d in got] == sent and all(d.error is None for d in got)
+    assert [d.message for d in got] == sent and all(d.error is None and d.partition == 0 for d in got)
     assert await stream.pending_count(GROUP) == 3
-    assert await stream.ack(GROUP, *entry_ids) == 3
+    assert await stream.ack(GROUP, 0, *entry_ids) == 3
     assert await stream.pending_count(GROUP) == 0
     assert await stream.read(GROUP, "relay-1") == []
+
+
+async def test_one_trajectorys_messages_share_a_partition_in_publishing_order(redis_url: str) -> None:
+    # Given the default sixteen partitions and many trajectories
+    async with ControlStream.from_url(redis_url) as stream:
+        await stream.ensure_group(GROUP)
+        tids = [f"run.t-{i}" for i in range(40)]
+        sent = [message(n, ControlAction.INTERRUPT, tid) for n in range(3) for tid in tids]
+        ids = await stream.publish_many(sent)
+
+        # When every partition is read
+        got = await stream.read(GROUP, "relay-1", count=1000)
+
+    # Then each trajectory's three messages are in its own partition (CRC-32 of the id), in order, and the
+    # trajectories are spread over several partitions
+    assert len(ids) == len(sent) == len(got)
+    for tid in tids:
+        mine = [d for d in got if d.message is not None and d.message.trajectory_id == tid]
+        assert {d.partition for d in mine} == {partition_of(tid)}
+        assert [d.message.reason for d in mine if d.message] == ["#0", "#1", "#2"]
+    assert len({d.partition for d in got}) > 8
 
 
 async def test_creating_the_group_is_idempotent_and_sees_earlier_messages(stream: ControlStream) -> None:
@@ -74,39 +107,17 @@ async def test_a_dead_consumers_pending_messages_are_claimed_by_another(stream: 
     assert len(taken_by_dead) == 2
 
     # When relay-2 asks for entries idle longer than a minute, nothing is taken from a live-looking owner
-    assert (await stream.claim_stale(GROUP, "relay-2", min_idle_ms=60_000)).deliveries == []
+    assert (await stream.claim_stale(GROUP, "relay-2", partition=0, min_idle_ms=60_000)).deliveries == []
 
-    # And when it polls with a short idle threshold (bounded wait, no fixed sleep)
-    claimed: list[Delivery] = []
-    deadline = time.monotonic() + 10.0
-    while not claimed and time.monotonic() < deadline:
-        result = await stream.claim_stale(GROUP, "relay-2", min_idle_ms=50)
-        claimed = result.deliveries
-        if not claimed:
-            await asyncio.sleep(0.02)
+    # And when it takes the partition over (any idle time, as a relay holding its lease does)
+    claimed = (await stream.claim_stale(GROUP, "relay-2", partition=0, min_idle_ms=0)).deliveries
 
     # Then relay-2 owns both messages exactly once and, after acking, nothing is pending
     assert [d.message for d in claimed] == sent
-    assert (await stream.claim_stale(GROUP, "relay-3", min_idle_ms=60_000)).deliveries == []
-    assert await stream.ack(GROUP, *[d.entry_id for d in claimed]) == 2
+    assert (await stream.claim_stale(GROUP, "relay-3", partition=0, min_idle_ms=60_000)).deliveries == []
+    assert await stream.ack(GROUP, 0, *[d.entry_id for d in claimed]) == 2
     assert await stream.pending_count(GROUP) == 0
     assert await stream.read(GROUP, "relay-1", pending=True) == []
-
-
-async def test_a_restarted_consumer_rereads_its_own_pending_messages(stream: ControlStream) -> None:
-    # Given relay-1 read a message and restarted (same name) before acking
-    await stream.ensure_group(GROUP)
-    sent = message(7, ControlAction.KILL)
-    await stream.publish(sent)
-    await stream.read(GROUP, "relay-1")
-
-    # When it reads its pending entries and then new ones
-    pending = await stream.read(GROUP, "relay-1", pending=True)
-    fresh = await stream.read(GROUP, "relay-1")
-
-    # Then the unacked message comes back, and it is not delivered as new again
-    assert [d.message for d in pending] == [sent]
-    assert fresh == []
 
 
 async def test_a_blocking_read_wakes_on_publish(stream: ControlStream, redis_url: str) -> None:
@@ -115,7 +126,7 @@ async def test_a_blocking_read_wakes_on_publish(stream: ControlStream, redis_url
     reader = asyncio.create_task(stream.read(GROUP, "relay-1", block_ms=5_000))
 
     # When an operator publishes from another connection
-    async with ControlStream.from_url(redis_url) as operator:
+    async with ControlStream.from_url(redis_url, partitions=1) as operator:
         sent = message(3, ControlAction.CANCEL)
         await operator.publish(sent)
 
@@ -124,15 +135,15 @@ async def test_a_blocking_read_wakes_on_publish(stream: ControlStream, redis_url
     assert [d.message for d in got] == [sent]
 
 
-async def test_a_foreign_or_corrupt_entry_is_delivered_as_an_error_not_an_exception(
+async def test_a_foreign_or_corrupt_entry_is_delivered_with_why_not_an_exception(
     stream: ControlStream, redis_url: str
 ) -> None:
-    # Given a garbage entry and a good message on the stream
+    # Given a garbage entry, an entry without the message field, and a good message on the stream
     await stream.ensure_group(GROUP)
     raw = aioredis.Redis.from_url(redis_url)
     try:
-        bad_id = as_text(await raw.xadd("tether:control", {b"m": b"\xc1not msgpack"}))
-        no_field_id = as_text(await raw.xadd("tether:control", {b"x": b"1"}))
+        bad_id = as_text(await raw.xadd("tether:control:0", {b"m": b"\xc1not msgpack"}))
+        no_field_id = as_text(await raw.xadd("tether:control:0", {b"x": b"1"}))
     finally:
         await raw.aclose()
     good = message(4)
@@ -141,12 +152,16 @@ async def test_a_foreign_or_corrupt_entry_is_delivered_as_an_error_not_an_except
     # When the relay reads
     got = await stream.read(GROUP, "relay-1", count=10)
 
-    # Then the bad entries carry a CodecError (so they can be audited and acked) and the good one decodes
+    # Then the bad entries carry the precise problem (so they can be audited and acked), the good one decodes
     assert [d.entry_id for d in got][:2] == [bad_id, no_field_id]
-    assert got[0].message is None and got[0].error is not None and "msgpack" in str(got[0].error)
-    assert got[1].message is None and got[1].error is not None
-    assert got[2].message == good
-    assert await stream.ack(GROUP, *[d.entry_id for d in got]) == 3
+    assert (got[0].message, got[0].problem) == (None, EntryProblem.MALFORMED) and "msgpack" in str(
+        got[0].error
+    )
+    assert (got[1].message, got[1].problem) == (None, EntryProblem.MISSING_FIELD) and "fields: x" in str(
+        got[1].error
+    )
+    assert got[2].message == good and got[2].problem is None
+    assert await stream.ack(GROUP, 0, *[d.entry_id for d in got]) == 3
 
 
 async def test_claiming_entries_that_were_trimmed_reports_them_as_deleted(
@@ -158,12 +173,12 @@ async def test_claiming_entries_that_were_trimmed_reports_them_as_deleted(
     await stream.read(GROUP, "relay-1")
     raw = aioredis.Redis.from_url(redis_url)
     try:
-        await raw.xtrim("tether:control", maxlen=0)
+        await raw.xtrim("tether:control:0", maxlen=0)
     finally:
         await raw.aclose()
 
     # When another relay claims stale entries
-    result = await stream.claim_stale(GROUP, "relay-2", min_idle_ms=0)
+    result = await stream.claim_stale(GROUP, "relay-2", partition=0, min_idle_ms=0)
 
     # Then the lost entry is reported, not delivered, and no longer pending
     assert result.deliveries == [] and result.deleted_ids == [entry_id]
@@ -196,13 +211,13 @@ async def test_trimming_drops_only_what_was_delivered_and_acked(stream: ControlS
     await stream.ensure_group(GROUP)
     ids = [await stream.publish(message(i)) for i in range(5)]
     await stream.read(GROUP, "relay-1", count=10)
-    await stream.ack(GROUP, *ids[:3])
+    await stream.ack(GROUP, 0, *ids[:3])
 
     # When the stream is trimmed, and again after a new undelivered message arrives and the rest are acked
     first = await stream.trim_delivered()
     undelivered = message(9)
     await stream.publish(undelivered)
-    await stream.ack(GROUP, *ids[3:])
+    await stream.ack(GROUP, 0, *ids[3:])
     second = await stream.trim_delivered()
 
     # Then the acked ones went, pending ones survived the first trim and a crashed relay could still
@@ -216,6 +231,94 @@ async def test_trimming_without_groups_or_stream_removes_nothing(stream: Control
     assert await stream.trim_delivered() == 0
     await stream.publish(message(1))
     assert await stream.trim_delivered() == 0
+
+
+# --------------------------------------------------------------------------- leases and membership
+
+
+async def test_a_partition_lease_has_one_holder_until_it_lapses_or_is_released(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    leases = PartitionLeases(client, url=redis_url)
+    try:
+        # Given relay:0 holds partitions 0-3 for 300 ms
+        assert await leases.hold("relay:0", [0, 1, 2, 3], 300) == {0, 1, 2, 3}
+        # When relay:1 asks for 2-5 while they are held, it gets only the free ones
+        assert await leases.hold("relay:1", [2, 3, 4, 5], 300) == {4, 5}
+        # And renewing keeps relay:0's; releasing gives one back (and only the holder can)
+        assert await leases.hold("relay:0", [0, 1, 2, 3], 60_000) == {0, 1, 2, 3}
+        assert await leases.release("relay:1", [0]) == 0
+        assert await leases.release("relay:0", [3]) == 1
+        assert await leases.hold("relay:1", [3], 60_000) == {3}
+        # Then once relay:1 stops renewing, its leases lapse and relay:0 can take them
+        deadline = time.monotonic() + 10.0
+        while (await leases.holders([4, 5])) != {4: None, 5: None}:
+            assert time.monotonic() < deadline, "relay:1's leases never lapsed"
+            await asyncio.sleep(0.05)
+        assert await leases.hold("relay:0", [4, 5], 60_000) == {4, 5}
+        assert await leases.holders([0, 3, 4]) == {0: "relay:0", 3: "relay:1", 4: "relay:0"}
+    finally:
+        await client.aclose()
+
+
+async def test_relays_that_stop_beating_drop_out_of_the_membership(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    leases = PartitionLeases(client, url=redis_url)
+    try:
+        assert await leases.beat("relay:0", 60_000) == ["relay:0"]
+        assert await leases.beat("relay:1", 200) == ["relay:0", "relay:1"]
+        deadline = time.monotonic() + 10.0
+        while await leases.beat("relay:0", 60_000) != ["relay:0"]:
+            assert time.monotonic() < deadline, "relay:1 never dropped out"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
+# --------------------------------------------------------------------------- bulk decisions
+
+
+async def test_bulk_decisions_sign_each_message_and_refuse_what_holds_nothing(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given two trajectories holding calls and one holding nothing
+    keyring = tmp_path / "keyring.yaml"
+    create_key("alice", [Role.OPERATOR], keyring)
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        for tid, digest in (("r.a", "d-a"), ("r.b", "d-b")):
+            await raw.hset(
+                f"tether:status:{tid}",
+                mapping={"state": "AWAITING_APPROVAL", "held_digest": digest, "held_tool": "deploy"},
+            )
+        await raw.hset("tether:status:r.c", mapping={"state": "READY"})
+    finally:
+        await raw.aclose()
+    async with ControlClient.from_url(redis_url, keyring=keyring) as client:
+        # When all pending calls are approved, plus one named on stdin that holds nothing
+        held = await client.held_calls(tool="deploy")
+        result = await client.decide_many(
+            ControlAction.APPROVE,
+            [(h.trajectory_id, None) for h in held] + [("r.c", None), ("r.zz", None)],
+            issuer="alice",
+        )
+        # Then one signed approval per held call went to its trajectory's partition, bound to its digest
+        verifier = Verifier(Keyring.load(keyring))
+        assert sorted((s.message.trajectory_id, s.message.payload["call_digest"]) for s in result.sent) == [
+            ("r.a", "d-a"),
+            ("r.b", "d-b"),
+        ]
+        for s in result.sent:
+            assert verifier.verify(s.message, time.time(), lambda *_: False).signers == ("alice",)
+        await client.stream.ensure_group(GROUP)
+        read = await client.stream.read(GROUP, "relay-1", count=10)
+        assert {(d.partition, d.message.trajectory_id) for d in read if d.message} == {
+            (partition_of("r.a"), "r.a"),
+            (partition_of("r.b"), "r.b"),
+        }
+        assert dict(result.refused) == {
+            "r.c": "holds no call for approval (state READY)",
+            "r.zz": "no such trajectory",
+        }
 
 
 # --------------------------------------------------------------------------- tether:events

@@ -25,7 +25,7 @@ from actors.quarantine import ArtifactQuarantined, QuarantineGate
 from actors.status import status_fields, status_key
 from cluster.cli_control import Target
 from cluster.cli_supervise import SupervisionCli
-from cluster.control import CONTROL_STREAM, ControlMessage, decode_message
+from cluster.control import CONTROL_PARTITIONS, ControlMessage, decode_message, partition_stream
 from cluster.control_client import ControlClient
 from cluster.incidents import IncidentError, Incidents, Selector
 from cluster.log_store import RedisLogStore
@@ -92,9 +92,12 @@ class World:
         await self.redis.hset(status_key(tid), mapping=dict[Any, Any](fields))
 
     async def deliver(self, verifier: Verifier) -> list[ControlMessage]:
-        """What a relay does: read the control stream, verify each message, hand it to its trajectory."""
+        """What a relay does: read the control partitions, verify each message, hand it to its trajectory."""
         delivered = []
-        for _, fields in await self.redis.xrange(CONTROL_STREAM):
+        streams = [partition_stream(p) for p in range(CONTROL_PARTITIONS)]
+        entries = [entry for stream in streams for entry in await self.redis.xrange(stream)]
+        entries.sort(key=lambda entry: tuple(int(n) for n in entry[0].split(b"-")))  # publishing order
+        for _, fields in entries:
             message = decode_message(fields[b"m"])
             verified = verifier.verify(message, time.time(), lambda mid, nonce: False)
             sim = self.sims[message.trajectory_id]
@@ -110,7 +113,7 @@ class World:
             sim.run(until=sim.clock.wall() + 1)
             await self.sync(message.trajectory_id)
             delivered.append(message)
-        await self.redis.delete(CONTROL_STREAM)
+        await self.redis.delete(*streams)
         return delivered
 
 

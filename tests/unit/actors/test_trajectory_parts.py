@@ -90,6 +90,15 @@ def test_the_policy_carries_the_launchs_single_retry_budget() -> None:
     assert (policy.retry.max_attempts, policy.retry.base_backoff_s) == (3, 0.2)
 
 
+def test_the_policy_carries_the_launchs_approval_quorum_and_required_roles() -> None:
+    # issue 10, defect 5: the decider's role check (tests/unit/trajectory/test_defects.py) needs the roles
+    # from the launch; without them no live trajectory could require one
+    assert build_policy(launch(), build_registry(launch())).approval_roles == frozenset()
+    roled = launch(approval_quorum=2, approval_roles=("secops", "sre"))
+    policy = build_policy(roled, build_registry(roled))
+    assert (policy.approval_quorum, policy.approval_roles) == (2, frozenset({"secops", "sre"}))
+
+
 async def test_routed_tool_port_refuses_an_unrouted_tool() -> None:
     port = RoutedToolPort({"noop": LocalToolPort([builtin_tools()["noop"]])})
     assert (await port.invoke(invocation("noop", "k"))).settlement is Settlement.ESTABLISHED

@@ -162,8 +162,8 @@ def _twice(ops: Operators, clock: FakeClock) -> ControlMessage:
     [
         (lambda o, c: ControlMessage.create("t-1", "kill", "alice", now=c.wall()), 0, RejectReason.UNSIGNED),
         (_issuer_did_not_sign, 0, RejectReason.UNSIGNED),
-        (_unknown, 0, RejectReason.UNKNOWN_ISSUER),
-        (_unknown_cosigner, 0, RejectReason.UNKNOWN_ISSUER),
+        (_unknown, 0, RejectReason.UNKNOWN_KEY),
+        (_unknown_cosigner, 0, RejectReason.UNKNOWN_KEY),
         (_forged, 0, RejectReason.BAD_SIGNATURE),
         (_tampered, 0, RejectReason.BAD_SIGNATURE),
         (_retargeted, 0, RejectReason.BAD_SIGNATURE),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster.adapters import ClusterAdapters, relay_delivery
-from cluster.control import ControlAction, ControlMessage, Delivery, encode_message
+from cluster.control import ControlAction, ControlMessage, Delivery, EntryProblem, encode_message
 from cluster.signing import Role, create_key, load_private_key, sign
 from runtime.errors import CodecError, ControlError
 
@@ -66,14 +66,19 @@ def test_the_envelope_carries_what_the_actor_reads_and_verification_reasons_surv
 
 def test_transport_deliveries_map_onto_the_relay_view() -> None:
     message = ControlMessage.create("t-9", ControlAction.KILL, "alice", now=NOW)
-    good = relay_delivery(Delivery("1-0", message, None))
+    good = relay_delivery(Delivery("1-0", message, None, partition=3))
     assert good.envelope is not None and good.envelope.message_id == message.message_id
-    assert good.envelope.data == encode_message(message) and not good.trimmed
+    assert good.envelope.data == encode_message(message) and (good.partition, good.problem) == (3, "")
 
-    trimmed = relay_delivery(Delivery("2-0", None, CodecError("the stream entry has no message (trimmed)")))
-    broken = relay_delivery(Delivery("3-0", None, CodecError("not valid msgpack")))
-    assert (trimmed.envelope, trimmed.trimmed) == (None, True)
-    assert (broken.envelope, broken.trimmed) == (None, False) and "msgpack" in str(broken.error)
+    cases = {
+        EntryProblem.TRIMMED: "the pending entry was trimmed before delivery",
+        EntryProblem.MISSING_FIELD: "the entry has no message field 'm'",
+        EntryProblem.MALFORMED: "not valid msgpack",
+    }
+    for problem, text in cases.items():
+        seen = relay_delivery(Delivery("2-0", None, CodecError(text), partition=5, problem=problem))
+        assert (seen.envelope, seen.partition, seen.problem) == (None, 5, problem.value)
+        assert text in str(seen.error)
 
 
 def test_the_root_pickles_by_reference_so_ray_can_ship_it_to_workers() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cluster.cli_control import ControlCli, NoRedis, Target, embedded_url
 from cluster.control import ControlAction, ControlMessage, LiveEvent
-from cluster.control_client import HeldCallView, Sent, TrajectoryStatus, UnknownTrajectory
+from cluster.control_client import BulkSent, HeldCallView, Sent, TrajectoryStatus, UnknownTrajectory
 from runtime.errors import DependencyError, InputError
 
 
@@ -56,6 +56,22 @@ class FakeClient:
     async def pending(self) -> list[HeldCallView]:
         return [r.held for r in self.rows if r.held is not None]
 
+    async def held_calls(self, *, tool: str | None = None) -> list[HeldCallView]:
+        return [h for h in await self.pending() if tool is None or h.tool == tool]
+
+    async def decide_many(
+        self, action: ControlAction | str, decisions: Sequence[tuple[str, str | None]], **kw: Any
+    ) -> BulkSent:
+        held = {h.trajectory_id: h.digest for h in await self.pending()}
+        sent, refused = [], []
+        for tid, digest in decisions:
+            chosen = digest or held.get(tid)
+            if chosen is None:
+                refused.append((tid, "holds no call for approval"))
+                continue
+            sent.append(await self.send(tid, action, issuer=kw["issuer"], payload={"call_digest": chosen}))
+        return BulkSent(sent, refused)
+
     async def known(self, trajectory_id: str) -> bool:
         return trajectory_id in self.known_ids
 
@@ -76,8 +92,8 @@ class Harness:
     ensured: list[Path]
     app: typer.Typer
 
-    def run(self, *args: str) -> Any:
-        return CliRunner().invoke(self.app, list(args))
+    def run(self, *args: str, stdin: str | None = None) -> Any:
+        return CliRunner().invoke(self.app, list(args), input=stdin)
 
 
 def make(target: Target | Exception = Target("redis://x", embedded=False)) -> Harness:
@@ -206,3 +222,77 @@ def test_embedded_url_is_read_only_while_its_owner_holds_the_lock(tmp_path: Path
     with lock.open("a") as owner:
         fcntl.flock(owner.fileno(), fcntl.LOCK_EX)
         assert embedded_url(tmp_path) == "redis://127.0.0.1:7777/0"
+
+
+def _held(*rows: tuple[str, str, str]) -> list[TrajectoryStatus]:
+    return [
+        TrajectoryStatus(
+            trajectory_id=tid,
+            state="AWAITING_APPROVAL",
+            held=HeldCallView(trajectory_id=tid, digest=d, tool=tool),
+        )
+        for tid, d, tool in rows
+    ]
+
+
+@pytest.mark.parametrize("command", ["approve", "deny"])
+def test_all_pending_decides_every_held_call_one_signed_message_each(command: str) -> None:
+    # Given three held calls, two of them deploys
+    h = make()
+    h.client.known_ids = {"t-1", "t-2", "t-3"}
+    h.client.rows = _held(("t-1", "d1", "deploy"), ("t-2", "d2", "notify"), ("t-3", "d3", "deploy"))
+
+    # When an operator decides all pending deploys, then everything pending
+    deploys = h.run(command, "--all-pending", "--tool", "deploy", "--as", "alice")
+    everything = h.run(command, "--all-pending")
+
+    # Then one message per held call was sent, each bound to that call's digest and signed as the operator
+    assert deploys.exit_code == 0 and everything.exit_code == 0, deploys.output + everything.output
+    assert [(t, a, i, p["call_digest"]) for t, a, i, p in h.client.sent] == [
+        ("t-1", command, "alice", "d1"),
+        ("t-3", command, "alice", "d3"),
+        ("t-1", command, "operator", "d1"),
+        ("t-2", command, "operator", "d2"),
+        ("t-3", command, "operator", "d3"),
+    ]
+    assert f"sent {command} for 2 held call(s) of deploy as alice" in deploys.output
+
+
+def test_ids_from_stdin_with_or_without_digests_and_refusals_reported() -> None:
+    # Given two held calls and a trajectory holding nothing
+    h = make()
+    h.client.known_ids = {"t-1", "t-2", "t-9"}
+    h.client.rows = _held(("t-1", "d1", "deploy"), ("t-2", "d2", "deploy"))
+
+    # When ids come on stdin (one with an explicit digest, a comment, a blank line, one holding nothing)
+    result = h.run("approve", "-", stdin="t-1\n# reviewed\n\nt-2 explicit-digest\nt-9\n")
+
+    # Then the held ones were approved (the explicit digest wins), the other refused by name, exit code 2
+    assert [(t, p["call_digest"]) for t, _, _, p in h.client.sent] == [
+        ("t-1", "d1"),
+        ("t-2", "explicit-digest"),
+    ]
+    assert result.exit_code == 2
+    assert "t-9: holds no call for approval" in result.output and "1 refused" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["approve"], "needs a trajectory id"),
+        (["approve", "t-1", "--all-pending"], "not both"),
+        (["approve", "t-1", "--tool", "deploy"], "needs --all-pending"),
+        (["deny", "--all-pending", "--call", "d1"], "--call names one held call"),
+    ],
+)
+def test_bulk_options_that_do_not_fit_together_are_refused(args: list[str], text: str) -> None:
+    h = make()
+    result = h.run(*args)
+    assert result.exit_code == 2 and text in result.output and h.client.sent == []
+
+
+def test_an_empty_or_malformed_stdin_is_refused_by_line() -> None:
+    h = make()
+    assert "no trajectory ids on stdin" in h.run("approve", "-", stdin="\n# nothing\n").output
+    bad = h.run("approve", "-", stdin="t-1 d1 extra\n")
+    assert bad.exit_code == 2 and "stdin line 1" in bad.output and h.client.sent == []

@@ -84,3 +84,26 @@ def test_testbed_faults_take_a_plan_or_a_list_of_rules_per_service() -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="no such file"):
         load_workload(tmp_path / "absent.yaml")
+
+
+def test_approval_quorum_and_roles_reach_every_launch() -> None:
+    # Given a workload asking two signers who together cover operator and secops
+    wl = parse_workload(
+        "approval_quorum: 2\napproval_roles: [operator, secops]\ntrajectories:\n  - id: a\n  - id: b\n",
+        "w.yaml",
+    )
+    # When its launches are planned
+    from cluster.runner import plan_launches
+
+    planned = plan_launches(
+        wl, run_id="r", redis_url="redis://x", base_url="http://p", testbed_address=None, created_at=1.0
+    )
+    # Then every trajectory's gate asks for both (the decider checks them on every approval)
+    assert {(launch.approval_quorum, launch.approval_roles) for _, launch in planned} == {
+        (2, ("operator", "secops"))
+    }
+
+
+def test_a_quorum_of_zero_is_refused_with_its_field() -> None:
+    with pytest.raises(WorkloadError, match="approval_quorum"):
+        parse_workload("approval_quorum: 0\ntrajectories:\n  - id: a\n", "w.yaml")
