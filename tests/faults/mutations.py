@@ -8,9 +8,11 @@ in a restarted worker) it applies the named patch in that process, once; its ``o
 store and its ``supervision_store`` the quarantine. Nothing in the product knows about it.
 
 Each mutation names the rule it removes. The actor's constructor and ``open_log`` are stable; a mutation
-that patches a name inside the decider (``no-budget-halt``, ``trusting-cleanup``, ``trusting-parent``,
-``no-disclosure-rule``) has to follow that name when it moves (the unit test over ``MUTATIONS`` imports every
-patched module, so a moved name fails there first).
+that patches a name inside the decider (``no-budget-halt``, ``trusting-cleanup``, ``unbound-probe``,
+``trusting-parent``, ``no-disclosure-rule``, ``no-cleanup``) has to follow that name when it moves
+(``test_mutations.py`` applies every patch in a fresh interpreter: a module that moved fails there first; an
+attribute assigned on a module that no longer reads it does not, which is why each control asserts the
+judge's own failure).
 """
 
 from __future__ import annotations
