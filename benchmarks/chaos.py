@@ -303,6 +303,9 @@ def run_seed(seed: int, head: RayHead, config: ChaosConfig, trajectories: int, w
         **os.environ,
         "TETHER_REDIS_URL": server.url,
         "TETHER_HOME": str(seed_dir / "home"),
+        # as the head was started (RayHead): a process that ran a local Ray before has "token" here, and a
+        # driver whose auth mode differs from its cluster's has its actors cancelled before they run
+        "RAY_AUTH_MODE": "disabled",
         "PYTHONPATH": os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])
         ),
@@ -326,6 +329,10 @@ def run_seed(seed: int, head: RayHead, config: ChaosConfig, trajectories: int, w
             proc = subprocess.Popen(
                 command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
+            # The schedule's clock starts once trajectories run (the first log exists): the faults hit the
+            # run, not `tether run` starting its services.
+            if not _until_running(proc, server.url, run_id, config.run_bound_s):
+                injector.notes.append("no trajectory log appeared: the schedule never started")
             t0 = time.monotonic()
             for fault in plan_faults(seed, trajectories, config):
                 wait = fault.at_s - (time.monotonic() - t0)
@@ -364,6 +371,21 @@ def run_seed(seed: int, head: RayHead, config: ChaosConfig, trajectories: int, w
     if not result.report_written:
         result.notes.append(f"tether run wrote no report (exit {exit_code}); its last output: {tail}")
     return result
+
+
+def _until_running(proc: subprocess.Popen[bytes], url: str, run_id: str, bound_s: float) -> bool:
+    """Wait until some trajectory of ``run_id`` has a log (or ``proc`` ended, or ``bound_s`` passed)."""
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    give_up = time.monotonic() + bound_s
+    try:
+        while time.monotonic() < give_up and proc.poll() is None:
+            with contextlib.suppress(redis.RedisError):
+                if next(client.scan_iter(match=f"{LOG_KEY_PREFIX}{run_id}.*", _type="STREAM"), None):
+                    return True
+            time.sleep(0.2)
+    finally:
+        client.close()
+    return False
 
 
 def _wait_or_exit(proc: subprocess.Popen[bytes], seconds: float) -> bool:
@@ -511,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chaos.json"))
     parser.add_argument("--work-dir", type=Path, default=None, help="keep each seed's logs here")
+    parser.add_argument("--why", default=None, help="recorded in the results: why this size, this machine")
     args = parser.parse_args(argv)
     config = ChaosConfig(trajectories=args.trajectories, window_s=args.window_s, work_dir=args.work_dir)
 
@@ -524,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     results = run_chaos(range(args.first_seed, args.first_seed + args.seeds), config, progress)
+    if args.why:
+        results["note"] = args.why
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k not in ("per_seed", "environment")}, indent=2))

@@ -22,6 +22,7 @@ from typing import Any
 from actors.trajectory import ensure_actor
 from cluster.adapters import ClusterAdapters
 from runtime.events import (
+    CleanupDispatched,
     Event,
     ModelCallIntent,
     ModelCallSettled,
@@ -38,9 +39,11 @@ from tests.integration.trajectory_kit import events_of, make_launch
 
 __all__ = [
     "Run",
+    "announced",
     "book",
     "dispatched",
     "finish",
+    "handed_off",
     "launch",
     "results",
     "unique",
@@ -125,7 +128,33 @@ async def until_delivered(testbed: Testbed, effect_key: str, timeout_s: float = 
 
 
 def dispatched(events: Iterable[Event], tool: str | None = None) -> list[ToolDispatchIntent]:
+    """Forward calls announced (intents); the runtime's cleanup is in ``announced``."""
     return [e for e in events if isinstance(e, ToolDispatchIntent) and (tool is None or e.tool == tool)]
+
+
+def announced(
+    events: Iterable[Event], tool: str | None = None
+) -> list[ToolDispatchIntent | CleanupDispatched]:
+    """Every attempt the log announced before sending it: forward calls (``ToolDispatchIntent``) and the
+    runtime's own compensations in FINALIZING (``CleanupDispatched``: call id ``cleanup:obl-...``, operation
+    ``cop-obl-...``). Both name the tool, effect key, operation, attempt and deadline a delivery carries."""
+    return [
+        e
+        for e in events
+        if isinstance(e, ToolDispatchIntent | CleanupDispatched) and (tool is None or e.tool == tool)
+    ]
+
+
+def handed_off(record: TrajectoryRecord, operation_id: str) -> bool:
+    """An operation still unknown when its trajectory ended: in doubt, owned by the escalation owner the
+    handoff packet is addressed to (``Policy.escalation_owner``), and listed among the packet's unknown
+    operations with what to decide (the decider's ``finish_cleanup``)."""
+    operation = record.operations[operation_id]
+    packet: Any = record.handoff
+    if packet is None:
+        return False
+    unknown = [u for u in packet["pending"]["unknown_operations"] if u["operation_id"] == operation_id]
+    return operation.in_doubt and operation.owner == packet["owner"] and len(unknown) == 1
 
 
 def results(events: Iterable[Event]) -> list[ToolResultAccepted]:

@@ -5,11 +5,14 @@ with one protection of the runtime removed, by a *mutation* applied inside the a
 ``MutatedAdapters`` is the cluster layer's port object (``actors.ports.ClusterPorts``) that every trajectory
 actor receives in its constructor. When the worker unpickles it (before the actor is constructed, and again
 in a restarted worker) it applies the named patch in that process, once; its ``open_log`` may wrap the log
-store. Nothing in the product knows about it.
+store and its ``supervision_store`` the quarantine. Nothing in the product knows about it.
 
-Each mutation names the rule it removes. The rewrite of the trajectory core (issue 10) keeps the actor's
-constructor and ``open_log``; a mutation that patches a name inside the core (``no-budget-halt``) has to
-follow that name when it moves.
+Each mutation names the rule it removes. The actor's constructor and ``open_log`` are stable; a mutation
+that patches a name inside the decider (``no-budget-halt``, ``trusting-cleanup``, ``unbound-probe``,
+``trusting-parent``, ``no-disclosure-rule``, ``no-cleanup``) has to follow that name when it moves
+(``test_mutations.py`` applies every patch in a fresh interpreter: a module that moved fails there first; an
+attribute assigned on a module that no longer reads it does not, which is why each control asserts the
+judge's own failure).
 """
 
 from __future__ import annotations
@@ -84,6 +87,25 @@ class UnacknowledgedLog(ForgetfulLog):
         return result
 
 
+class CarelessQuarantine:
+    """A supervision store whose quarantine, when it cannot be consulted, answers "nothing held" (fail
+    open). With ``UnacknowledgedLog`` it makes a runtime that goes on without its store: the quarantine at
+    the dispatch boundary reads the same Redis and otherwise refuses every call during the outage."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def quarantined(self, values: Sequence[str]) -> dict[str, str]:
+        try:
+            result: dict[str, str] = await self._inner.quarantined(values)
+        except Exception:
+            return {}
+        return result
+
+
 def _at_least_once_log(store: Any) -> Any:
     """A log store whose retry of a batch cannot recognise its own earlier write (a fresh batch id per
     attempt): an append whose reply was lost is appended again, an at-least-once log."""
@@ -129,14 +151,15 @@ def _trusting_parser() -> None:
 
 
 def _no_deadline_on_the_wire() -> None:
-    """The tool client sends calls with a deadline a minute later than the call's own: the endpoint is
-    not told when the caller stops waiting, so its work outlives the call."""
+    """The tool client sends calls with a deadline 5 s later than the call's own: the endpoint is not told
+    when the caller stops waiting, so its work outlives the call. (5 s, not more: the testbed's teardown
+    lets every held call run out its deadline, and a minute of that was the suite's slowest teardown.)"""
     from actors.tools_grpc.client import GrpcToolPort
 
     original = GrpcToolPort.invoke
 
     async def invoke(self: GrpcToolPort, invocation: Any) -> Any:
-        return await original(self, dataclasses.replace(invocation, deadline=invocation.deadline + 60.0))
+        return await original(self, dataclasses.replace(invocation, deadline=invocation.deadline + 5.0))
 
     GrpcToolPort.invoke = invoke  # type: ignore[method-assign]
 
@@ -156,21 +179,56 @@ def _one_scope() -> None:
 
 
 def _no_budget_halt() -> None:
-    """Budget assessment always answers "nominal": the steer/restrict/halt ladder never acts."""
-    harness: Any = importlib.import_module("runtime.harness")
+    """Budget assessment always answers "nominal": the steer/restrict/halt ladder never acts. The decider
+    assesses the budget at each turn boundary (``runtime._decide_turn``) and when the meter halts
+    (``runtime._decide_finalize``); both read ``assess`` from their own module."""
     from runtime.budget import BudgetAssessment, BudgetStage
 
-    original = harness.assess
+    for name in ("runtime._decide_turn", "runtime._decide_finalize"):
+        module: Any = importlib.import_module(name)
+        original = module.assess
 
-    def assess(*args: Any, **kwargs: Any) -> Any:
-        real = original(*args, **kwargs)
-        return (
-            dataclasses.replace(real, stage=BudgetStage.NOMINAL)
-            if isinstance(real, BudgetAssessment)
-            else real
-        )
+        def assess(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            real = _original(*args, **kwargs)
+            return (
+                dataclasses.replace(real, stage=BudgetStage.NOMINAL)
+                if isinstance(real, BudgetAssessment)
+                else real
+            )
 
-    harness.assess = assess
+        module.assess = assess
+
+
+def _trusting_cleanup() -> None:
+    """A compensation whose outcome is unknown (its reply lost, its deadline passed) is recorded done: the
+    pitfall "it was sent, so it is clean" (recovery chapter §12.3: retire an obligation only on evidence)."""
+    cleanup: Any = importlib.import_module("runtime._decide_cleanup")
+    from runtime.obligations import ObligationState
+    from runtime.ports import Settlement
+
+    original = cleanup._after_attempt
+
+    def after_attempt(step: Any, ob: Any, settlement: Any, *args: Any, **kwargs: Any) -> None:
+        if settlement is Settlement.UNKNOWN:
+            cleanup._update(step, ob, ObligationState.DISCHARGED, "the compensation was sent")
+            return
+        original(step, ob, settlement, *args, **kwargs)
+
+    cleanup._after_attempt = after_attempt
+
+
+def _unbound_probe() -> None:
+    """A probe that recovers an outcome settles the operation but binds nothing: the compensation never
+    learns the environment id the probe saw (issue 11's finding: environments ESTABLISHED "without its
+    result" stayed billed)."""
+    tools: Any = importlib.import_module("runtime._decide_tools")
+    original = tools.on_forward_settled
+
+    def on_forward_settled(step: Any, operation_id: str, settlement: Any, result: Any, evidence: str) -> None:
+        if evidence != "a probe":
+            original(step, operation_id, settlement, result, evidence)
+
+    tools.on_forward_settled = on_forward_settled
 
 
 def _trusting_parent() -> None:
@@ -207,10 +265,16 @@ MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | Non
     "no-deadline-on-the-wire": (_no_deadline_on_the_wire, None),
     "no-budget-halt": (_no_budget_halt, None),
     "one-scope": (_one_scope, None),
+    "trusting-cleanup": (_trusting_cleanup, None),  # issue 11
+    "unbound-probe": (_unbound_probe, None),  # issue 11
     "trusting-parent": (_trusting_parent, None),  # issue 12
     "no-disclosure-rule": (_no_disclosure_rule, None),  # issue 12
     "no-cleanup": (_no_cleanup, None),  # issue 11
 }
+
+
+# name -> how it wraps the supervision store (escalations, incidents, the quarantine)
+SUPERVISION_WRAPS: dict[str, Callable[[Any], Any]] = {"unacknowledged-log": CarelessQuarantine}
 
 
 def _applied() -> set[str]:
@@ -248,4 +312,9 @@ class MutatedAdapters(ClusterAdapters):
     def open_log(self, redis_url: str) -> Any:
         _, wrap = MUTATIONS[self.mutation]
         store = ClusterAdapters.open_log(self, redis_url)
+        return wrap(store) if wrap is not None else store
+
+    def supervision_store(self, redis_url: str) -> Any:
+        store = ClusterAdapters.supervision_store(self, redis_url)
+        wrap = SUPERVISION_WRAPS.get(self.mutation)
         return wrap(store) if wrap is not None else store

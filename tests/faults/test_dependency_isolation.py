@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,17 +31,22 @@ from typing import Any
 import pytest
 import ray
 
-from actors.tools_grpc import GrpcToolPort
 from breakers.breaker import BreakerState
-from breakers.guard import NAMESPACE, actor_name
+from breakers.guard import NAMESPACE, GuardHandle, actor_name
 from breakers.scope_guard import GuardSnapshot
 from cluster.redis_server import RedisServer
 from cluster.runner import RunOptions, RunResult, Services, run_driver
 from cluster.workload import Workload, parse_workload
-from runtime.events import ObservationAppended, OperationSettled, ToolDispatchIntent, ToolResultAccepted
+from runtime.events import (
+    CleanupDispatched,
+    ObservationAppended,
+    OperationSettled,
+    ToolDispatchIntent,
+    ToolResultAccepted,
+)
 from runtime.fold import fold
 from runtime.operations import Operation
-from runtime.ports import Settlement, ToolInvocation
+from runtime.ports import Settlement
 from runtime.record import TrajectoryRecord
 from testbed.tools import FaultMode, FaultPlan, LedgerSnapshot, TestbedClient
 from tests.faults.mutations import MutatedAdapters
@@ -203,6 +207,10 @@ def test_a_degraded_dependency_trips_its_own_breaker_and_no_other_dependency_is_
         assert services.testbed_address is not None
         if mutation is not None:
             services.adapters = MutatedAdapters(mutation=mutation)
+            # the one scope is not among the workload's declared scopes, whose guards the driver creates
+            # and owns: created (and referenced) here, the test being the driver, it does not die with the
+            # first trajectory actor that used it
+            shared_guard = GuardHandle().actor("testbed")
         # Given the test runner degrades (the fault stays on for the whole test)
         set_faults(services.testbed_address, fault, TEST_RUNNER)
 
@@ -213,7 +221,7 @@ def test_a_degraded_dependency_trips_its_own_breaker_and_no_other_dependency_is_
             # calls counts the test runner's failures: the judge below (the provisioner's breaker never
             # opened and has no failure in its window) fails
             run(mixed, services, "p2")
-            shared = guard_snapshot("testbed")
+            shared = ray.get(shared_guard.snapshot.remote())
             assert shared.generation >= 1 or shared.window_failures > 0, shared
             return
 
@@ -279,8 +287,7 @@ class LostReplyRun:
     result: RunResult
     records: dict[str, TrajectoryRecord]
     events: dict[str, list[Any]]
-    book: LedgerSnapshot  # the ledger right after the run
-    released: LedgerSnapshot  # the ledger after releasing every environment the records know the id of
+    book: LedgerSnapshot  # the ledger once the run (the runtime's own cleanup in FINALIZING included) ended
 
 
 @pytest.fixture(scope="module")
@@ -298,9 +305,7 @@ def lost_reply(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Ite
             events = asyncio.run(_events(redis.url, [r.id for r in result.results]))
             records = {tid: fold(evs) for tid, evs in events.items()}
             book = ledger(address)
-            asyncio.run(_release_known(address, events, records))
-            released = ledger(address)
-        yield LostReplyRun(result, records, events, book, released)
+        yield LostReplyRun(result, records, events, book)
     finally:
         redis.stop()
 
@@ -309,43 +314,21 @@ async def _events(redis_url: str, ids: list[str]) -> dict[str, list[Any]]:
     return {tid: await events_of(redis_url, tid) for tid in ids}
 
 
-def known_environments(events: list[Any], record: TrajectoryRecord) -> dict[str, str]:
-    """effect key -> env id, for every provisioning the record holds as established with its result."""
-    call_of = {e.operation_id: e.call_id for e in events if isinstance(e, ToolDispatchIntent)}
-    result_of = {e.call_id: e.result for e in events if isinstance(e, ToolResultAccepted)}
-    known = {}
-    for op in record.operations.values():
-        result = result_of.get(call_of[op.operation_id])
-        if (
-            op.tool == "provision_env"
-            and op.settlement is Settlement.ESTABLISHED
-            and isinstance(result, dict)
-        ):
-            known[op.effect_key] = str(result["env_id"])
-    return known
+def known_environments(record: TrajectoryRecord) -> dict[str, str]:
+    """effect key -> env id, for every provisioning the record holds as established with its result (a
+    reply, or the result a probe recovered)."""
+    return {
+        op.effect_key: str(op.result["env_id"])
+        for op in record.operations.values()
+        if op.tool == "provision_env"
+        and op.settlement is Settlement.ESTABLISHED
+        and isinstance(op.result, dict)
+    }
 
 
-async def _release_known(
-    address: str, events: dict[str, list[Any]], records: dict[str, TrajectoryRecord]
-) -> None:
-    """Run the compensation the record registered (release_env) for every environment whose id it knows:
-    what an operator cleaning up from the records alone could do."""
-    async with GrpcToolPort({}, default_address=address) as port:
-        for tid, record in records.items():
-            for key, env_id in known_environments(events[tid], record).items():
-                outcome = await port.invoke(
-                    ToolInvocation(
-                        trajectory_id=tid,
-                        call_id=f"cleanup-{key[:12]}",
-                        tool="release_env",
-                        arguments={"env_id": env_id},
-                        effect_key=f"release-{key}",
-                        operation_id=f"release-{key[:16]}",
-                        attempt_id="cleanup-1",
-                        deadline=time.time() + 5.0,
-                    )
-                )
-                assert outcome.settlement is Settlement.ESTABLISHED, outcome
+def forward(events: list[Any]) -> list[ToolDispatchIntent]:
+    """The trajectory's own calls (its compensations in FINALIZING are ``CleanupDispatched``)."""
+    return [e for e in events if isinstance(e, ToolDispatchIntent)]
 
 
 def in_doubt(run: LostReplyRun) -> dict[str, Operation]:
@@ -377,9 +360,7 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
     lost_reply: LostReplyRun,
 ) -> None:
     run_ = lost_reply
-    dispatched = {
-        e.effect_key for evs in run_.events.values() for e in evs if isinstance(e, ToolDispatchIntent)
-    }
+    dispatched = {e.effect_key for evs in run_.events.values() for e in forward(evs)}
     # Given the two lost replies really happened after their effects: the endpoint's result recovery settled
     # both operations established (nothing left in doubt), each attempted once, one environment each
     recovered = probe_settled(run_)
@@ -391,19 +372,17 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
     # environment made per provisioning beyond one; every environment answers to a key some trajectory
     # dispatched
     assert run_.book.duplicate_deliveries() == [] and run_.book.duplicate_effects() == []
-    assert sorted(d.effect_key for d in run_.book.deliveries) == sorted(dispatched)
+    provisions = [d.effect_key for d in run_.book.deliveries if d.tool == "provision_env"]
+    assert sorted(provisions) == sorted(dispatched)
     assert sorted(env.effect_key for env in run_.book.environments) == sorted(dispatched)
     # And no provisioning was ever dispatched twice (a trajectory that lost a reply may stop short of its
     # second provisioning, depending on timing; that is the harness's business, not the ledger's)
-    intents = [e for evs in run_.events.values() for e in evs if isinstance(e, ToolDispatchIntent)]
+    intents = [e for evs in run_.events.values() for e in forward(evs)]
     assert len(intents) == len(dispatched) >= 4
     # And where a record holds an environment's id, it is the id the ledger holds for that effect key
-    for tid, record in run_.records.items():
-        for key, env_id in known_environments(run_.events[tid], record).items():
+    for record in run_.records.values():
+        for key, env_id in known_environments(record).items():
             assert [env.env_id for env in run_.book.environments_for(key)] == [env_id]
-    # And once every environment the records know is released, whatever the ledger still bills was
-    # recovered by a probe (the gap where a probe's result is not bound is the strict xfail below)
-    assert {env.effect_key for env in run_.released.orphaned_environments()} <= set(recovered)
     # And every trajectory that lost no reply completed (the others: see the result-recovery test below)
     for r in run_.result.results:
         ops = run_.records[r.id].operations.values()
@@ -411,19 +390,23 @@ def test_a_reply_dropped_after_the_effect_leaves_no_duplicate_and_no_unaccounted
             assert (r.state, r.exit_reason, r.error) == ("COMPLETED", "COMPLETED", None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11: a probe's recovered result (ProbeResult carries it) binds the environment id into the "
-    "record; today the core does not bind it, so the record cannot name those environments for cleanup",
-)
 def test_an_environment_recovered_by_probe_is_known_to_the_record_and_not_orphaned(
     lost_reply: LostReplyRun,
 ) -> None:
     # Given the run above: two provisioning replies lost, both settled established by the endpoint's probe
-    assert len(probe_settled(lost_reply)) == 2
-    # When every environment the records know the id of is released (the registered compensation)
-    # Then nothing stays allocated: the records knew every environment, the recovered ones included
-    assert lost_reply.released.orphaned_environments() == []
+    recovered = probe_settled(lost_reply)
+    assert len(recovered) == 2
+    # Then the records know every environment, the recovered ones included (the probe's result is bound)
+    known = {key for record in lost_reply.records.values() for key in known_environments(record)}
+    assert set(recovered) <= known
+    # And the runtime's own cleanup (FINALIZING; a test environment is released on completion too) released
+    # every environment: nothing stays allocated, and nothing in this test released anything
+    assert lost_reply.book.environments and lost_reply.book.orphaned_environments() == []
+    releases = [d for d in lost_reply.book.deliveries if d.tool == "release_env"]
+    assert releases and all(d.call_id.startswith("cleanup:") for d in releases)
+    for tid, evs in lost_reply.events.items():
+        announced = {e.effect_key for e in evs if isinstance(e, CleanupDispatched)}
+        assert {d.effect_key for d in releases if d.trajectory_id == tid} == announced
 
 
 def test_a_reply_dropped_after_the_effect_control_blind_retry_shows_the_duplicate(

@@ -46,9 +46,11 @@ from runtime.states import ExitReason, TrajectoryState
 from testbed.provider import ProviderConfig, ProviderThread, start_provider_thread
 from testbed.tools import MALFORMED_PAYLOAD, FaultMode, FaultPlan, Testbed, TestbedClient, start_testbed
 from tests.faults.fault_kit import (
+    announced,
     book,
     dispatched,
     ended,
+    handed_off,
     in_tool_call,
     launch,
     results,
@@ -117,9 +119,10 @@ async def test_tool_succeeds_but_the_response_is_lost_and_the_retry_does_not_dup
     assert len(keys) == 2
     assert run.book.duplicate_deliveries() == [] and run.book.duplicate_effects() == []
     assert sorted(env.effect_key for env in run.book.environments) == sorted(keys)
-    # And the record settles neither from the timeout: each is settled by the endpoint's evidence or in doubt
+    # And the record settles neither from the timeout: each is settled by the endpoint's evidence or in doubt,
+    # handed off with the packet when the trajectory ended
     for op in run.record.operations.values():
-        assert op.settled or (op.in_doubt and op.owner == tid), op
+        assert op.settled or handed_off(run.record, op.operation_id), op
 
 
 # ------------------------------------------------------------------------------------------------ row 2
@@ -156,7 +159,7 @@ async def test_tool_returns_a_malformed_payload_and_garbage_is_never_taken_as_su
     assert run.book.duplicate_deliveries() == []
     [garbled] = [d.effect_key for d in run.book.deliveries if d.tool == "provision_env"][:1]
     [op] = [op for op in run.record.operations.values() if op.effect_key == garbled]
-    assert op.settled or (op.in_doubt and op.owner == tid), op
+    assert op.settled or handed_off(run.record, op.operation_id), op
 
 
 # ------------------------------------------------------------------------------------------------ row 3
@@ -183,11 +186,14 @@ async def test_tool_hangs_past_the_step_timeout_and_cancellation_reaches_the_end
     )
     # When a trajectory provisions twice (its step timeout: 1.5 s)
     run = await ended(handle, tid, redis_url, testbed)
-    intents = {e.effect_key: e for e in dispatched(run.events, "provision_env")}
+    # (every attempt the log announced, the runtime's own releases in FINALIZING included)
+    attempts = {e.attempt_id: e for e in announced(run.events)}
     hung = run.book.deliveries[0]
-    # Then the endpoint was told the deadline the runtime enforces (the call's own), so the held call was
-    # given up there too: refused, never applied, and done with before the trajectory finished
-    told_in_time = all(d.deadline <= intents[d.effect_key].deadline + 0.01 for d in run.book.deliveries)
+    assert hung.tool == "provision_env"
+    # Then the endpoint was told the deadline the runtime enforces (the attempt's own), so the held call
+    # was given up there too: refused, never applied, and done with before the trajectory finished
+    assert {d.attempt_id for d in run.book.deliveries} <= set(attempts)
+    told_in_time = all(d.deadline <= attempts[d.attempt_id].deadline + 0.01 for d in run.book.deliveries)
     if mutation is not None:
         assert not told_in_time  # (control) the endpoint was told a later deadline than the runtime's
         return
@@ -298,7 +304,6 @@ async def test_a_human_never_answers_an_escalation_and_the_pending_state_expires
     # When the approval's expiry passes (control: an expiry a day away, observed for 20 s)
     done, _ = await asyncio.wait({running}, timeout=20.0 if not expires else 90.0)
     record = await record_of(redis_url, tid)
-    ledger = await book(testbed)
     if not expires:
         running.cancel()
         with contextlib.suppress(BaseException):
@@ -309,6 +314,7 @@ async def test_a_human_never_answers_an_escalation_and_the_pending_state_expires
     # Then the pending state expired as a denial, nothing was sent, nothing is held, and the trajectory
     # went on to its end
     assert done
+    ledger = await book(testbed)
     events = await events_of(redis_url, tid)
     decisions = [e.decision for e in events if isinstance(e, ApprovalDecided)]
     assert decisions == [ApprovalDecision.EXPIRED]
@@ -405,8 +411,9 @@ async def test_budget_set_very_low_winds_down_within_it(
     assert run.book.test_runs == len(dispatched(run.events, "run_tests"))
 
 
+@pytest.mark.parametrize("mutation", [None, "no-budget-halt"], ids=["runtime", "control-no-budget-halt"])
 async def test_budget_set_very_low_produces_a_usable_partial_result(
-    ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed
+    ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed, mutation: str | None
 ) -> None:
     # Given nine tool turns wanted on a budget of three
     tid = unique("i8-partial")
@@ -417,9 +424,16 @@ async def test_budget_set_very_low_produces_a_usable_partial_result(
         redis_url,
         scenario="finish_after:9",
         grants=["run_tests"],
+        mutation=mutation,
         ceilings={"turns": 3, "tokens": 60_000, "wall_seconds": 300, "dollars": 1.0},
     )
     run = await ended(handle, tid, redis_url, testbed)
+    if mutation is not None:
+        # (control) without the wind-down it runs past its three turns (its tool calls refused at admission
+        # once the ceiling is spent) and ends COMPLETED: nobody is told the budget ran out, no packet
+        assert run.summary["turns"] > 3 and run.summary["state"] == "COMPLETED", run.summary
+        assert "budget_exhausted" not in run.summary["escalations"].values()
+        return
     # Then the result is machine-readable partial work: what was done (each run the testbed saw), what was
     # not, and the next action (a person, with its escalation and the handoff packet)
     partial = run.summary["result"]

@@ -5,7 +5,8 @@
   the restarted trajectory finds the call in doubt and, ``git_commit`` being never-repeat, does not send it
   again. The repository's own history is the ledger.
   Control: with the session held by the trajectory actor itself (``mcp_placement: trajectory``), the kill
-  takes the call with it.
+  (the worker and every process it started: a stdio server orphaned by a bare SIGKILL of its parent could
+  still finish the commit, or not, by timing) takes the call with it.
 - Failures of one MCP server trip only that server's breaker; control: two servers declared under one scope
   share the trip.
 """
@@ -184,10 +185,12 @@ async def test_killing_the_trajectory_mid_git_commit_leaves_exactly_one_commit(
         running = handle.run.remote()
         held = await eventually(lambda: _held(client, tid), "git_commit held for approval")
         assert held.tool == "git_commit" and repo.commits() == []
-        # When an operator approves it, and the trajectory's actor is SIGKILLed while the commit is in flight
+        # When an operator approves it, and the trajectory's worker is SIGKILLed with every process it started
+        # (a lost worker: a stdio server it spawned must not live on to finish the call) while the commit is
+        # in flight
         await client.approve(tid, issuer="alice", call_digest=held.digest)
         await eventually(repo.hook_started.exists, "the commit to start", timeout_s=120)
-        os.kill(pid, signal.SIGKILL)
+        _kill_process_tree(pid)
         summary = await running  # Ray restarts the actor and retries run(); the trajectory goes on to its end
         assert await handle.pid.remote() != pid
         # (the end state: every call the git server's host holds has finished)
@@ -205,6 +208,32 @@ async def test_killing_the_trajectory_mid_git_commit_leaves_exactly_one_commit(
     commits_sent = [e for e in events if isinstance(e, ToolDispatchIntent) and e.tool == "git_commit"]
     assert len(commits_sent) == 1
     assert summary["state"] in ("COMPLETED", "FAILED")
+
+
+def _kill_process_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (found before any dies, so none is reparented unseen); a
+    descendant leading its own process group (the MCP SDK starts stdio servers in a new session) takes its
+    group with it (git and the hook it runs)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    tree: list[int] = []
+    frontier = [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == current]
+        tree += children
+        frontier += children
+    os.kill(pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(child) == child:
+                os.killpg(child, signal.SIGKILL)
+            else:
+                os.kill(child, signal.SIGKILL)
 
 
 async def _held(client: ControlClient, tid: str) -> Any:
