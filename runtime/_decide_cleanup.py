@@ -353,18 +353,40 @@ def _after_attempt(
         _update(step, ob, OB.STUCK, f"the compensation did not complete: {detail} ({decision.reason})")
 
 
+# A verification probe that never answers (its answer lost with the task that awaited it) is asked again
+# this many times, then the obligation is stuck and handed off: FINALIZING never waits on it for good.
+_UNANSWERED = "the verification was not answered by its deadline"
+VERIFY_ASKS = 3
+VERIFY_GRACE_S = 5.0
+
+
 def _verify(step: Step, ob: Obligation, key: str) -> None:
     request_id = step.new_id("verify")
     _update(step, ob, OB.VERIFYING, "verifying the postcondition with the endpoint", request_id=request_id)
     deadline = step.now + step.policy.probe_timeout_s
     step.do(ProbeTool(ob.cleanup_operation or "", ob.tool, key, deadline, request_id))
+    # the probe carries its deadline on the wire; this timer covers an answer that never comes back
+    step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, ob.call_id))
+    step.arm(TimerKind.CALL_DEADLINE, deadline + VERIFY_GRACE_S, subject=ob.call_id)
 
 
 def cleanup_timed_out(step: Step, call_id: str) -> None:
     """A compensation's deadline passed without a reply: a timeout settles nothing, so the retry rule
-    decides as for an unknown outcome."""
+    decides as for an unknown outcome. A verification left unanswered is asked again, a bounded number of
+    times, then the obligation is stuck (handed off with its evidence)."""
     ob = _by_call(step, call_id)
-    if ob is None or ob.state is not OB.RUNNING:
+    if ob is None:
+        return
+    if ob.state is OB.VERIFYING:
+        asked = 1 + sum(1 for e in ob.evidence if e == _UNANSWERED)
+        if asked >= VERIFY_ASKS:
+            _update(step, ob, OB.STUCK, f"{_UNANSWERED} ({asked} times): nothing verifies the compensation")
+            return
+        _update(step, ob, OB.VERIFYING, _UNANSWERED)
+        op = step.record.operations[ob.cleanup_operation or ""]
+        _verify(step, ob, op.effect_key)
+        return
+    if ob.state is not OB.RUNNING:
         return
     _after_attempt(step, ob, Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, None, "timed out", None)
 
@@ -383,6 +405,7 @@ def on_cleanup_probe(step: Step, inp: ProbeAnswered) -> bool:
             continue
         result = inp.result
         if ob.state is OB.VERIFYING:
+            step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, ob.call_id))
             if result.settlement is Settlement.ESTABLISHED and postcondition_holds(
                 ob.postcondition, result.result
             ):

@@ -141,6 +141,7 @@ class SimTools:
     behaviour: dict[str, Callable[[ToolInvocation], ToolOutcome | None]] = field(default_factory=dict)
     probe_answers: dict[str, ProbeResult] = field(default_factory=dict)  # tool -> fixed probe answer
     probes: list[str] = field(default_factory=list)
+    unanswered_probes: Counter[str] = field(default_factory=Counter)  # tool -> probe answers never returned
     cancels: list[str] = field(default_factory=list)
     allocated: set[str] = field(default_factory=set)  # the env service's own view: environments still billed
     released: set[str] = field(default_factory=set)
@@ -568,6 +569,9 @@ class Sim:
                     effect.sandbox,
                 )
             )
+        elif isinstance(effect, ProbeTool) and self.tools.unanswered_probes[effect.tool] > 0:
+            self.tools.unanswered_probes[effect.tool] -= 1  # asked, and the answer never comes back
+            self.tools.probes.append(effect.effect_key)
         elif isinstance(effect, ProbeTool):
             self.inputs.append(
                 ProbeAnswered(

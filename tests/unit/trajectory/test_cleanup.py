@@ -204,6 +204,48 @@ def test_a_lost_release_reply_is_not_clean_until_the_endpoint_shows_it_released(
     assert sim.tools.delivered("release_env") == 2 and "verified" in ob.evidence[-1]
 
 
+@pytest.mark.parametrize("lost", [1, 99], ids=["answer-lost-once", "never-answered"])
+@pytest.mark.parametrize("watched", [True, False], ids=["protected", "control-unwatched-verification"])
+def test_an_unanswered_verification_is_asked_again_and_never_holds_finalizing(
+    lost: int, watched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a release whose verification probes are asked and never answered (the chaos run's stuck
+    # FINALIZING: two answers lost, nothing watching them), and a deadline an hour away
+    if not watched:  # the control: a compensation's timeout ignores a verification in flight
+        import runtime._decide_tools as tools_rules
+
+        original = tools_rules.cleanup_timed_out
+
+        def unwatched(step: Any, call_id: str) -> None:
+            ob = step.record.obligations.get(call_id.removeprefix("cleanup:"))
+            if ob is None or ob.state is not OB.VERIFYING:
+                original(step, call_id)
+
+        monkeypatch.setattr(tools_rules, "cleanup_timed_out", unwatched)
+    sim = env_sim(provisioner("done"))
+    sim.tools.unanswered_probes["release_env"] = lost
+    start(sim, deadline_s=3600.0)
+    began = sim.clock.wall()
+    rec = sim.run()
+    (ob,) = rec.obligations.values()
+    took = sim.clock.wall() - began
+    assert rec.is_terminal
+    if not watched:
+        # only the trajectory's own deadline ended the wait, an hour later, with the obligation stuck
+        assert took >= 3600.0 and ob.state is OB.HANDED_OFF
+        return
+    # Then it is asked again after the probe's deadline; an answer that comes settles it on evidence
+    assert took < 3 * (sim.policy.probe_timeout_s + 10.0)
+    if lost == 1:
+        assert ob.state is OB.DISCHARGED and len(sim.tools.probes) == 2
+        assert "verified" in ob.evidence[-1]
+    else:
+        # and one never answered is asked three times, then handed off with that evidence, never clean
+        assert ob.state is OB.HANDED_OFF and len(sim.tools.probes) == 3
+        assert any("not answered by its deadline (3 times)" in e for e in ob.evidence)
+    assert sim.tools.allocated == set()  # the release itself went through (the service's own record)
+
+
 # --------------------------------------------------------------------------- no evidence, no clean
 
 
