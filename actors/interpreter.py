@@ -285,9 +285,11 @@ class Interpreter:
                     if teardown is not None:
                         await teardown
                 self.appends += 1
-                for event in decision.events:
+                # the records the decision evolved (the same fold; recomputed only if a decision lacks them)
+                after = decision.records if len(decision.records) == len(decision.events) else None
+                for i, event in enumerate(decision.events):
                     before = record
-                    record = evolve(record, event)
+                    record = after[i] if after is not None else evolve(record, event)
                     self._events.append(event)
                     self.hooks.on_event(record, event)
                     if isinstance(event, TimerFired):

@@ -15,6 +15,7 @@ admission feedback for the scheduler, never a model failure, and gives its turn 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from runtime import _decide_children as children
 from runtime import _decide_supervise as supervise
@@ -281,13 +282,26 @@ def _affordable_max_tokens(step: Step, prompt_estimate: int) -> int | None:
     return ceiling if ceiling >= min(16, rec.limits.max_output_tokens) else None
 
 
+# The last (transcript, prompt, registry, grants) and what they built: a turn asks twice (the estimate at
+# the request, the call at the grant) for the same immutable transcript. Keyed by identity and equality of
+# immutable inputs, so the answer is the one a fresh build would give; copies are handed out.
+_LAST_BUILT: list[tuple[object, object, object, tuple[str, ...], list[Any], list[Any]]] = []
+
+
 def _tools_and_messages(step: Step) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     rec = step.record
     registry = step.policy.registry
-    granted = sorted(t for t in rec.grants.tools if rec.grants.allows(t) and t in registry)
+    granted = tuple(sorted(t for t in rec.grants.tools if rec.grants.allows(t) and t in registry))
+    prompt = step.policy.system_prompt
+    if _LAST_BUILT:
+        transcript, last_prompt, last_registry, last_granted, tools, messages = _LAST_BUILT[0]
+        same = transcript is rec.transcript and last_registry is registry and last_granted == granted
+        if same and last_prompt == prompt:
+            return list(tools), list(messages)
     tools = registry.openai_tool_specs(granted)
-    messages = build_messages(rec.transcript, step.policy.system_prompt)  # type: ignore[arg-type]
-    return tools, messages
+    messages = build_messages(rec.transcript, prompt)  # type: ignore[arg-type]
+    _LAST_BUILT[:] = [(rec.transcript, prompt, registry, granted, tools, messages)]
+    return list(tools), list(messages)
 
 
 def _request_turn(step: Step) -> bool:

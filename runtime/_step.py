@@ -31,6 +31,7 @@ class Step:
         self.record = record
         self.now = now
         self.events: list[Event] = []
+        self.records: list[TrajectoryRecord] = []  # the record after each event (the interpreter reuses them)
         self.effects: list[Effect] = []
         self.reply: str | None = None
         self._ids = 0
@@ -44,6 +45,7 @@ class Step:
         for event in events:
             self.record = apply(self.record, event)
             self.events.append(event)
+            self.records.append(self.record)
         return self.record
 
     def do(self, *effects: Effect) -> None:

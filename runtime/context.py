@@ -35,7 +35,24 @@ __all__ = ["build_messages", "estimate_tokens"]
 _NOT_EXECUTED = json.dumps({"status": "NOT_EXECUTED", "message": "This call was not dispatched."})
 
 
+# Every turn rebuilds the context from the whole transcript: each (immutable) result event is rendered once
+# and remembered by identity (the event is held, so its id cannot be reused), in a bounded table.
+_RENDERED: dict[int, tuple[ToolResultAccepted, str]] = {}
+_RENDERED_MAX = 20_000
+
+
 def _tool_result_text(ev: ToolResultAccepted) -> str:
+    known = _RENDERED.get(id(ev))
+    if known is not None and known[0] is ev:
+        return known[1]
+    text = _render_result(ev)
+    if len(_RENDERED) >= _RENDERED_MAX:
+        _RENDERED.clear()
+    _RENDERED[id(ev)] = (ev, text)
+    return text
+
+
+def _render_result(ev: ToolResultAccepted) -> str:
     body: dict[str, Any] = {"status": ev.settlement.value.upper()}
     if ev.error:
         body["error"] = ev.error

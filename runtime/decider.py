@@ -36,7 +36,7 @@ the same decision); then ``after_decision`` opens the escalations the decision's
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from runtime import _decide_supervise as supervise
@@ -95,6 +95,9 @@ class Decision:
     events: tuple[Event, ...] = ()
     effects: tuple[Effect, ...] = ()
     reply: str | None = None
+    # the record after each event, as the decision evolved it (so the interpreter need not fold them again);
+    # derived from ``events``, so not part of a decision's identity
+    records: tuple[TrajectoryRecord, ...] = field(default=(), compare=False, repr=False)
 
 
 def _timer_due(step: Step, inp: TimerDue) -> None:
@@ -147,4 +150,4 @@ def decide(record: TrajectoryRecord, input: Input, now: float) -> Decision:
     rule(step, input)
     advance(step)
     supervise.after_decision(step, 0)  # issue 12: escalation triggers, publishing escalations
-    return Decision(tuple(step.events), tuple(step.effects), step.reply)
+    return Decision(tuple(step.events), tuple(step.effects), step.reply, tuple(step.records))
