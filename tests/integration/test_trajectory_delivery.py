@@ -14,7 +14,6 @@ only because the actor's metrics use Ray's backend.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -114,8 +113,9 @@ async def _close(a: TrajectoryActor) -> None:
     task = a._loop_task
     if task is not None and not task.done():
         task.cancel()  # a held trajectory waits for its approval: nothing more to see
-        with contextlib.suppress(BaseException):
-            await task
+        # bounded: a run loop cancelled mid-start may still be unwinding its effects; the shutdown below
+        # cancels what it started either way (an in-process actor here; on Ray the worker just exits)
+        await asyncio.wait({task}, timeout=10.0)
     await a._shutdown()
 
 
