@@ -27,7 +27,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     SHARED_RAY.stop()  # one Ray at a time on this machine: the chaos run starts a head of its own
     config = ChaosConfig(
-        trajectories=20, window_s=30.0, run_bound_s=420.0, work_dir=tmp_path_factory.mktemp("chaos")
+        trajectories=20, window_s=30.0, run_bound_s=240.0, work_dir=tmp_path_factory.mktemp("chaos")
     )
     yield run_chaos([0, 1], config)
 
