@@ -30,14 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from runtime import (
-    _handlers_cleanup,
-    _handlers_governance,
-    _handlers_supervise,
-    _handlers_tools,
-    _handlers_turn,
-)
+from runtime._handlers_cleanup import HANDLERS as CLEANUP_HANDLERS
 from runtime._handlers_common import Handler, refuse
+from runtime._handlers_governance import HANDLERS as GOVERNANCE_HANDLERS
+from runtime._handlers_supervise import HANDLERS as SUPERVISE_HANDLERS
+from runtime._handlers_tools import HANDLERS as TOOLS_HANDLERS
+from runtime._handlers_turn import HANDLERS as TURN_HANDLERS
 from runtime.budget import BudgetCeilings, BudgetStage, Spend
 from runtime.decisions import expired_calls, on_control, on_tool_result, retry_of
 from runtime.errors import IllegalEvent, IllegalTransition, InvalidLog
@@ -107,11 +105,11 @@ liability for an effect outlives the loop that caused it (recovery chapter), but
 # Each handler module claims a disjoint set of event types; StateChanged is the transition itself.
 _HANDLERS: Mapping[type, Handler] = {
     StateChanged: transition,
-    **_handlers_turn.HANDLERS,
-    **_handlers_tools.HANDLERS,
-    **_handlers_governance.HANDLERS,
-    **_handlers_supervise.HANDLERS,  # issue 12
-    **_handlers_cleanup.HANDLERS,
+    **TURN_HANDLERS,
+    **TOOLS_HANDLERS,
+    **GOVERNANCE_HANDLERS,
+    **SUPERVISE_HANDLERS,  # issue 12
+    **CLEANUP_HANDLERS,
 }
 
 
