@@ -17,8 +17,8 @@ Inputs (``runtime.inputs``): ``Started``, ``Recovered``, ``AdmissionGranted``, `
 ``ChildFinished`` (one line each in that module's table). Effects (``runtime.effects``):
 ``RequestAdmission``, ``CallModel``, ``CancelModelStream``, ``SettleAdmission``, ``ReportLimits``,
 ``AcquirePermit``, ``ReleasePermit``, ``DispatchTool``, ``ProbeTool``, ``CancelToolCall``, ``StartTimer``,
-``CancelTimer``, ``KillProcesses``, ``Hibernate``, ``PublishEscalation``, ``OpenIncident``, ``SpawnChild``,
-``CancelChild`` (one line each in that module's table).
+``CancelTimer``, ``KillProcesses``, ``Hibernate``, ``ReleaseLease``, ``PublishEscalation``, ``OpenIncident``,
+``SpawnChild``, ``CancelChild`` (one line each in that module's table).
 
 Where the rules live: the turn, admission, the model call and control at the boundary in
 ``runtime._decide_turn``; tool calls, permits, dispatch, outcomes, retries and probes in
