@@ -235,8 +235,16 @@ async def test_a_trajectory_whose_dead_actor_is_pinned_under_its_name_is_woken(
     await plane.status(tid, lambda s: s.turns >= 1, "the first turn")
     await plane.client.pause(tid, issuer="alice")
     await plane.status(tid, lambda s: s.hibernated, "hibernation")
-    with pytest.raises(ray.exceptions.RayActorError):
-        await asyncio.wait_for(pinned.pid.remote(), 30.0)
+
+    async def exited(handle: Any = pinned) -> bool:
+        # the status says "hibernated" just before the actor exits: ask until the actor is really gone
+        try:
+            await asyncio.wait_for(handle.pid.remote(), 10.0)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    await eventually(exited, "the hibernated actor to exit")
     assert plane.actor_alive(tid)  # the dead actor is still found by name
 
     # When a resume is delivered to it
