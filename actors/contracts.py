@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, m
 
 from runtime.tools import (
     ArgumentSchemaViolation,
+    CandidateRole,
     Compensation,
     RepeatContract,
     SideEffect,
@@ -185,6 +186,7 @@ class ContractFields(_Spec):
     probe: bool | None = None  # the endpoint answers result-recovery probes by effect key
     compensation: CompensationSpec | None = None
     pivot: bool | None = None
+    candidate: CandidateRole | None = None  # the tool revises the candidate, or checks it
     needs_approval: bool | None = None  # absent: exactly when irreversible
     scope: str | None = Field(None, min_length=1, description="dependency scope (breaker + bulkhead)")
     pool: str | None = Field(None, min_length=1, description="sandbox pool whose permit each call takes")
@@ -209,6 +211,7 @@ class DeclaredContract(_Spec):
     probe: bool = False
     compensation: CompensationSpec | None = None
     pivot: bool = False
+    candidate: CandidateRole | None = None
     needs_approval: bool | None = None
     pool: str | None = None
     charge: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
@@ -232,6 +235,7 @@ class DeclaredContract(_Spec):
             needs_approval=self.needs_approval,
             target_keys=self.target_keys,
             pivot=self.pivot,
+            candidate=self.candidate,
         )
 
     @model_validator(mode="after")
@@ -294,6 +298,7 @@ def resolve_contract(
         probe=bool(fields.probe),
         compensation=fields.compensation,
         pivot=bool(fields.pivot),
+        candidate=fields.candidate,
         needs_approval=fields.needs_approval,
         pool=fields.pool,
         charge=fields.charge or 0.0,
@@ -353,6 +358,7 @@ def testbed_contracts() -> list[ToolContract]:
             repeat=RepeatContract.IDEMPOTENT,
             dependency_scope="test-runner",
             target_keys=("suite",),
+            candidate=CandidateRole.CHECKS,  # its verdict covers the candidate revision it ran on
         ),
         ToolContract(
             name="provision_env",
@@ -414,6 +420,7 @@ def testbed_contracts() -> list[ToolContract]:
                 "delete_note", from_result={"note_id": "note_id"}, postcondition={"deleted": True}
             ),
             target_keys=("title",),
+            candidate=CandidateRole.REVISES,  # a note is the testbed's candidate artifact
         ),
         ToolContract(
             name="read_note",

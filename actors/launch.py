@@ -77,7 +77,9 @@ class ProviderLaunch(_Frozen):
 class CheckLaunch(_Frozen):
     """The task contract's completion check (``runtime.completion.CHECKS`` names)."""
 
-    name: Literal["always", "never", "min_tool_results", "tool_succeeded"] = "min_tool_results"
+    name: Literal["always", "never", "min_tool_results", "tool_succeeded", "candidate_checked"] = (
+        "min_tool_results"
+    )
     params: dict[str, JsonValue] = Field(default_factory=dict)
 
 

@@ -146,7 +146,9 @@ class ChildCheckSpec(_Spec):
 class ChildCompletionSpec(_Spec):
     """The child's own completion check (its task contract), as ``tether run`` names checks."""
 
-    name: Literal["always", "never", "min_tool_results", "tool_succeeded"] = "min_tool_results"
+    name: Literal["always", "never", "min_tool_results", "tool_succeeded", "candidate_checked"] = (
+        "min_tool_results"
+    )
     params: dict[str, JsonValue] = Field(default_factory=lambda: dict[str, JsonValue](count=1))
 
 

@@ -240,6 +240,8 @@ def plan_launches(
         params: dict[str, Any] = {"count": check.count}
         if check.tool is not None:
             params["tool"] = check.tool
+        if check.tools:
+            params["tools"] = list(check.tools)
         budget = spec.budget.model_dump()
         launch = TrajectoryLaunch(
             trajectory_id=f"{run_id}.{spec.id}",

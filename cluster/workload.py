@@ -264,17 +264,25 @@ class CompletionCheckSpec(_Strict):
     - ``always``: any end_turn passes (use only for smoke tests);
     - ``tool_succeeded``: the last settled call of ``tool`` was established without error;
     - ``min_tool_results``: at least ``count`` tool results were accepted;
+    - ``candidate_checked``: the current candidate revision passed its checks (``tools``: the check tools
+      required, each by its latest verdict; default the latest check of any tool). A check of an earlier
+      revision does not count once a tool that revises the candidate has run (docs/tools.md, "candidate");
     - ``never``: always fails (exercises the COMPLETION_CHECK_FAILED path).
     """
 
-    kind: Literal["always", "tool_succeeded", "min_tool_results", "never"] = "min_tool_results"
+    kind: Literal["always", "tool_succeeded", "min_tool_results", "candidate_checked", "never"] = (
+        "min_tool_results"
+    )
     tool: str | None = None
     count: Annotated[int, Field(ge=0)] = 1
+    tools: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _tool_named(self) -> CompletionCheckSpec:
         if self.kind == "tool_succeeded" and not self.tool:
             raise ValueError("completion check tool_succeeded needs `tool`")
+        if self.tools and self.kind != "candidate_checked":
+            raise ValueError("`tools` belongs to the completion check candidate_checked")
         return self
 
 
@@ -486,6 +494,9 @@ class Workload(_Strict):
             checked = spec.completion_check.tool
             if spec.completion_check.kind == "tool_succeeded" and checked not in spec.grants:
                 raise ValueError(f"{where}.completion_check.tool {checked!r} is not in its grants")
+            ungranted = [t for t in spec.completion_check.tools if t not in spec.grants]
+            if ungranted:
+                raise ValueError(f"{where}.completion_check.tools not in its grants: {', '.join(ungranted)}")
             for expanded in spec.expand():
                 if expanded.id in seen:
                     raise ValueError(f"{where}: trajectory id {expanded.id!r} is used twice")

@@ -25,6 +25,7 @@ from typing import Any
 from runtime import _decide_children as children
 from runtime import _decide_supervise as supervise
 from runtime._decide_approval import hold
+from runtime._decide_candidate import note_candidate
 from runtime._decide_cleanup import (
     cleanup_timed_out,
     is_cleanup,
@@ -180,6 +181,9 @@ def on_tool_outcome(step: Step, inp: ToolOutcomeReceived) -> None:
         return
     contract = step.policy.registry.get(pending.tool)
     step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, inp.call_id))
+    if inp.dispatched:
+        success = outcome.outcome_class is OutcomeClass.SUCCESS
+        note_candidate(step, inp.operation_id, outcome.settlement, outcome.result, success)
     if outcome.outcome_class is not OutcomeClass.INFRASTRUCTURE_FAILURE:
         payload = outcome.result if outcome.outcome_class is OutcomeClass.SUCCESS else None
         on_forward_settled(step, inp.operation_id, outcome.settlement, payload, "its reply")
@@ -260,6 +264,7 @@ def settle_late(step: Step, inp: ToolOutcomeReceived) -> None:
         step.emit(
             OperationSettled(op.operation_id, inp.outcome.settlement, "late result", result, op.call_id)
         )
+        note_candidate(step, op.operation_id, inp.outcome.settlement, result, result is not None)
         on_forward_settled(step, op.operation_id, inp.outcome.settlement, result, "a late reply")
     elif op.tool in step.policy.registry and step.policy.registry.get(op.tool).probe:
         deadline = step.now + step.policy.probe_timeout_s
@@ -281,6 +286,7 @@ def on_probe_answered(step: Step, inp: ProbeAnswered) -> None:
         # the probe's stored reply counts as the call's result: it binds the obligation and the model sees it
         call_id = op.call_id if not op.cleanup_of else None
         step.emit(OperationSettled(op.operation_id, settlement, detail, result, call_id))
+        note_candidate(step, op.operation_id, settlement, result, True)
         on_forward_settled(step, op.operation_id, settlement, result, "a probe")
     q = step.record.queued.get(op.call_id)
     if (
@@ -315,4 +321,8 @@ def call_timed_out(step: Step, call_id: str) -> None:
     if is_cleanup(call_id):
         cleanup_timed_out(step, call_id)
         return
-    step.emit(*(ev for ev in expired_calls(step.record, step.now) if ev.call_id == call_id))
+    pending = step.record.pending_calls.get(call_id)
+    expired = [ev for ev in expired_calls(step.record, step.now) if ev.call_id == call_id]
+    step.emit(*expired)
+    if expired and pending is not None:  # a revising call that timed out may have changed the candidate
+        note_candidate(step, pending.operation_id, Settlement.UNKNOWN, None, False)

@@ -5,6 +5,9 @@ An obligation is registered once, with the forward call's intent; it binds only 
 the forward effect; a discharged, committed or handed-off obligation never reopens. The compensation is an
 operation of its own in the operation table (``cleanup_of`` names its obligation), so its attempts, effect
 key and settlement follow the same rules as any other effect.
+
+The candidate's revisions live here too (evidence about what the trajectory produced): a revision is opened
+once per operation, in order; a check's verdict is filed once, under the revision it ran on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import replace
 
 from runtime._handlers_common import Handler, audit, refuse, with_item
 from runtime.events import (
+    CandidateChecked,
+    CandidateRevised,
     CleanupDispatched,
     CleanupSettled,
     Event,
@@ -27,7 +32,7 @@ from runtime.events import (
 from runtime.obligations import Obligation, ObligationState
 from runtime.operations import Operation, settle
 from runtime.ports import Settlement
-from runtime.record import AuditKind, TrajectoryRecord
+from runtime.record import AuditKind, CheckEvidence, Revision, TrajectoryRecord
 from runtime.repair import EpisodeState, RepairEpisode
 from runtime.states import TrajectoryState
 
@@ -174,6 +179,30 @@ def _repair(rec: TrajectoryRecord, ev: RepairEpisodeChanged) -> TrajectoryRecord
     return replace(rec, repairs=with_item(rec.repairs, ev.tool, episode))
 
 
+def _revised(rec: TrajectoryRecord, ev: CandidateRevised) -> TrajectoryRecord:
+    current = rec.revisions[-1].number if rec.revisions else 0
+    if ev.revision != current + 1:
+        refuse(rec, ev, "revision_order", f"the next revision is {current + 1}, not {ev.revision}")
+    if any(r.operation_id == ev.operation_id for r in rec.revisions):
+        refuse(rec, ev, "already_revised", f"operation {ev.operation_id!r} already opened a revision")
+    given = rec.revisions or (Revision(0, None, None),)
+    return replace(rec, revisions=(*given, Revision(ev.revision, ev.operation_id, ev.tool, ev.in_doubt)))
+
+
+def _checked(rec: TrajectoryRecord, ev: CandidateChecked) -> TrajectoryRecord:
+    revisions = rec.revisions or (Revision(0, None, None),)
+    at = next((i for i, r in enumerate(revisions) if r.number == ev.revision), None)
+    if at is None:
+        refuse(rec, ev, "unknown_revision", f"there is no revision {ev.revision}")
+    if any(c.operation_id == ev.operation_id for r in revisions for c in r.checks):
+        refuse(rec, ev, "already_checked", f"operation {ev.operation_id!r} already gave its verdict")
+    # evidence keeps the scope of the revision it checked: filed there, never under a later one
+    checked = revisions[at]
+    evidence = CheckEvidence(ev.operation_id, ev.call_id, ev.tool, ev.passed, ev.detail)
+    checked = replace(checked, checks=(*checked.checks, evidence))
+    return replace(rec, revisions=(*revisions[:at], checked, *revisions[at + 1 :]))
+
+
 def _operator(rec: TrajectoryRecord, ev: OperatorActed) -> TrajectoryRecord:
     if ev.message_id in rec.seen_control_ids:
         refuse(rec, ev, "duplicate_message", f"message {ev.message_id!r} was already recorded")
@@ -196,5 +225,7 @@ HANDLERS: Mapping[type, Handler] = {
     HandoffWritten: _handoff,
     OperatorActed: _operator,
     RepairEpisodeChanged: _repair,
+    CandidateRevised: _revised,
+    CandidateChecked: _checked,
 }
 """The obligation rules, by event type, for ``runtime.fold.apply``."""

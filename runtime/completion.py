@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from runtime.events import Event, OperationSettled, ToolResultAccepted
 from runtime.ports import OutcomeClass, Settlement
-from runtime.record import CompletionCheck, TrajectoryRecord
+from runtime.record import CompletionCheck, Revision, TrajectoryRecord
 
 __all__ = ["CHECKS", "CheckResult", "evaluate_completion"]
 
@@ -67,11 +67,42 @@ def _tool_succeeded(check: CompletionCheck, record: TrajectoryRecord, events: li
     )
 
 
+def _candidate_checked(check: CompletionCheck, record: TrajectoryRecord, events: list[Event]) -> CheckResult:
+    """The current candidate revision passed its required checks (``tools``: the check tools required, each
+    by its latest verdict on this revision; default: the latest check of any tool). Evidence about an
+    earlier revision does not count: a changed candidate needs its own checks (recovery chapter §12.4)."""
+    revisions = record.revisions or (Revision(0, None, None),)
+    current = revisions[-1]
+    raw = check.params.get("tools", ())
+    required = [t for t in raw if isinstance(t, str)] if isinstance(raw, list | tuple) else []
+    doubt = ", outcome in doubt" if current.in_doubt else ""
+    made = f" (made by {current.tool}{doubt})" if current.tool else ""
+    name = f"revision {current.number}{made}"
+    earlier = [r.number for r in revisions[:-1] if any(c.passed for c in r.checks)]
+    stale = f"; passing checks of revision(s) {earlier} do not count for it" if earlier else ""
+    if not required:
+        if not current.checks:
+            return CheckResult(False, f"{name} has no check{stale}")
+        last = current.checks[-1]
+        return CheckResult(last.passed, f"{name}: {last.tool} {last.detail}")
+    missing = []
+    for tool in required:
+        verdicts = [c for c in current.checks if c.tool == tool]
+        if not verdicts:
+            missing.append(f"{tool} has not run")
+        elif not verdicts[-1].passed:
+            missing.append(f"{tool} {verdicts[-1].detail}")
+    if missing:
+        return CheckResult(False, f"{name}: {'; '.join(missing)}{stale}")
+    return CheckResult(True, f"{name}: {', '.join(required)} passed")
+
+
 CHECKS = {
     "always": _always,
     "never": _never,
     "min_tool_results": _min_tool_results,
     "tool_succeeded": _tool_succeeded,
+    "candidate_checked": _candidate_checked,
 }
 """Checks by the name a task contract gives."""
 

@@ -53,6 +53,8 @@ Obligations, cleanup and handoff (``runtime.obligations``)
   ``HandoffWritten``      the handoff packet (goal, what was done, what is pending, why it stopped, ...)
   ``OperatorActed``       an operator settled or handed off an operation or obligation (signed, audited)
   ``RepairEpisodeChanged`` a repair episode opened, counted an admitted attempt, closed or was exhausted
+  ``CandidateRevised``    a tool that revises the candidate had an effect (or an unknown one): a new revision
+  ``CandidateChecked``    a check's verdict, scoped to the revision it checked
   ``LateResultDropped``   audit: a result for a call that is not pending (never an accepted result)
 Budget, grants, pointers
   ``BudgetCharged``       additive charge per dimension (tool charges, sandbox seconds, ...)
@@ -116,6 +118,8 @@ __all__ = [
     "BudgetStageChanged",
     "CallObserved",
     "CallWithheld",
+    "CandidateChecked",
+    "CandidateRevised",
     "ChildCancelled",
     "ChildSettled",
     "ChildSpawned",
@@ -776,6 +780,39 @@ class RepairEpisodeChanged:
         _check(self.attempts >= 0 and self.cap >= 0, "attempts and cap are >= 0")
 
 
+@dataclass(frozen=True, slots=True)
+class CandidateRevised:
+    """The operation ``operation_id`` of a tool that revises the candidate took effect (``in_doubt``: its
+    outcome is unknown): revision ``revision`` begins, and no earlier check speaks for it."""
+
+    kind: ClassVar[str] = "candidate_revised"
+    revision: int
+    operation_id: str
+    tool: str
+    in_doubt: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.revision >= 1, "revision 0 is the candidate as given; a revision made by a tool is >= 1")
+        _id(self.operation_id, "operation_id")
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateChecked:
+    """A check's verdict on revision ``revision`` (the one current when its result arrived)."""
+
+    kind: ClassVar[str] = "candidate_checked"
+    revision: int
+    operation_id: str
+    tool: str
+    passed: bool
+    detail: str
+    call_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.revision >= 0, "revisions are numbered from 0")
+        _id(self.operation_id, "operation_id")
+
+
 # --------------------------------------------------------------------------- budget, grants, pointers
 
 
@@ -1088,6 +1125,8 @@ Event: TypeAlias = (
     | HandoffWritten
     | OperatorActed
     | RepairEpisodeChanged
+    | CandidateRevised
+    | CandidateChecked
     | BudgetCharged
     | WallClockMeasured
     | BudgetStageChanged
@@ -1154,6 +1193,8 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         HandoffWritten,
         OperatorActed,
         RepairEpisodeChanged,
+        CandidateRevised,
+        CandidateChecked,
         BudgetCharged,
         WallClockMeasured,
         BudgetStageChanged,

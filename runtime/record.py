@@ -38,6 +38,7 @@ __all__ = [
     "AuditEntry",
     "AuditKind",
     "CallLimits",
+    "CheckEvidence",
     "CompletionCheck",
     "ControlAction",
     "Grants",
@@ -53,6 +54,7 @@ __all__ = [
     "Pointers",
     "QueueStage",
     "QueuedCall",
+    "Revision",
     "TaskContract",
     "Timer",
     "TimerKind",
@@ -387,6 +389,31 @@ class AuditEntry:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class CheckEvidence:
+    """One check's verdict on one candidate revision (recovery chapter §12.9.3, table 10, row 5): it stays
+    with the revision it checked, so it never certifies a later one."""
+
+    operation_id: str
+    call_id: str | None
+    tool: str
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Revision:
+    """A version of the candidate: ``number`` 0 is the candidate as the task gave it; each result (or unknown
+    outcome) of a tool that revises the candidate opens the next one. ``in_doubt``: opened by an outcome
+    nobody knows (the candidate may or may not have changed, so earlier evidence cannot vouch for it)."""
+
+    number: int
+    operation_id: str | None  # the operation that made it (None: the candidate as given)
+    tool: str | None
+    in_doubt: bool = False
+    checks: tuple[CheckEvidence, ...] = ()
+
+
 # --------------------------------------------------------------------------- the record
 
 
@@ -444,6 +471,7 @@ class TrajectoryRecord:
     obligations: Mapping[str, Obligation] = field(default_factory=dict)  # compensations owed, by id
     handoff: Mapping[str, JsonValue] | None = None  # the packet written on an exit that was not clean
     repairs: Mapping[str, RepairEpisode] = field(default_factory=dict)  # the latest episode per tool
+    revisions: tuple[Revision, ...] = ()  # the candidate's revisions and the checks of each (table 10 row 5)
     # the workload's policy for this trajectory (not folded: it comes from the launch, see runtime.policy)
     policy: TrajectoryPolicy = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     # issue 12: the one hold flag (watchdog, control, incident) and what supervision folds from the log

@@ -33,6 +33,7 @@ __all__ = [
     "ArgumentProblem",
     "ArgumentSchema",
     "ArgumentSchemaViolation",
+    "CandidateRole",
     "Compensation",
     "CompensationUnbound",
     "RepeatContract",
@@ -57,6 +58,14 @@ class SideEffect(StrEnum):
     READ_ONLY = "read_only"
     REVERSIBLE = "reversible"  # has a compensation
     IRREVERSIBLE = "irreversible"  # can only be completed forward: gated by approval
+
+
+class CandidateRole(StrEnum):
+    """What a tool does to the candidate (the artifact the task produces, e.g. a patch or a document) —
+    recovery chapter §12.9.3, table 10, "candidate changes after a check"."""
+
+    REVISES = "revises"  # a result (or an unknown outcome) makes a new candidate revision
+    CHECKS = "checks"  # its result is evidence about the current revision, and that revision only
 
 
 class RepeatContract(StrEnum):
@@ -244,6 +253,9 @@ class ToolContract:
     prechecks: tuple[str, ...] = ()
     commits: tuple[str, ...] = ()
     follow_up: tuple[Compensation, ...] = ()
+    # The candidate's revisions (``runtime._decide_candidate``): a tool that ``revises`` the candidate opens
+    # a new revision; one that ``checks`` it adds evidence scoped to the revision it checked.
+    candidate: CandidateRole | None = None
 
     def __post_init__(self) -> None:
         where = f"tool[{self.name!r}]"

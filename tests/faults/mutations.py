@@ -9,7 +9,8 @@ store and its ``supervision_store`` the quarantine. Nothing in the product knows
 
 Each mutation names the rule it removes. The actor's constructor and ``open_log`` are stable; a mutation
 that patches a name inside the decider (``no-budget-halt``, ``trusting-cleanup``, ``unbound-probe``,
-``trusting-parent``, ``no-disclosure-rule``, ``no-cleanup``) has to follow that name when it moves
+``trusting-parent``, ``no-disclosure-rule``, ``no-cleanup``, ``stale-evidence``) has to follow that name when
+it moves
 (``test_mutations.py`` applies every patch in a fresh interpreter: a module that moved fails there first; an
 attribute assigned on a module that no longer reads it does not, which is why each control asserts the
 judge's own failure).
@@ -255,6 +256,22 @@ def _no_cleanup() -> None:
     cleanup.unwind = lambda step: True
 
 
+def _stale_evidence() -> None:
+    """Evidence loses its scope: the completion check counts a check of any revision for the current one
+    (the pitfall of §12.4: "previous test passes ... cannot certify altered code")."""
+    completion: Any = importlib.import_module("runtime.completion")
+    from runtime.record import Revision
+
+    original = completion.CHECKS["candidate_checked"]
+
+    def merged(check: Any, record: Any, events: Any) -> Any:
+        every = tuple(c for r in record.revisions for c in r.checks)
+        one = (Revision(0, None, None, checks=every),)
+        return original(check, dataclasses.replace(record, revisions=one), events)
+
+    completion.CHECKS["candidate_checked"] = merged
+
+
 # name -> (what it does in the worker, how it wraps the log store)
 MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | None]] = {
     "forgetful-log": (None, ForgetfulLog),
@@ -270,6 +287,7 @@ MUTATIONS: dict[str, tuple[Callable[[], None] | None, Callable[[Any], Any] | Non
     "trusting-parent": (_trusting_parent, None),  # issue 12
     "no-disclosure-rule": (_no_disclosure_rule, None),  # issue 12
     "no-cleanup": (_no_cleanup, None),  # issue 11
+    "stale-evidence": (_stale_evidence, None),  # issue 11, table 10 row 5
 }
 
 

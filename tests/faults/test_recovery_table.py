@@ -14,7 +14,7 @@ Rows (recovery chapter, §12.9.3, table 10):
 2. Reply lost after endpoint provisioning
 3. Worker and local volume lost with provisioning unresolved
 4. Release executes but its reply is lost (issue 11)
-5. Candidate changes after a check (issue 11)
+5. Candidate changes after a check
 6. Dependency slows while retries and late probes arrive
 7. Suspect content induces a forbidden proposal during unresolved work (containment, issue 12)
 """
@@ -22,6 +22,7 @@ Rows (recovery chapter, §12.9.3, table 10):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -369,32 +370,71 @@ async def test_release_executed_with_its_reply_lost_is_not_marked_clean(
 # ------------------------------------------------------------------------------------------------ row 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 (not delivered by its repair episodes): a changed candidate is a new revision whose "
-    "required checks run again; earlier evidence keeps the scope of the revision it checked (the record has "
-    "no revisions)",
+def _script(*calls: tuple[str, dict[str, str]]) -> str:
+    return "script:" + json.dumps([[tool, args] for tool, args in calls])
+
+
+FIRST = ("write_note", {"title": "fix", "body": "first version"})
+TESTED = ("run_tests", {"suite": "unit", "commit": "v2"})  # the testbed's verdict for these: passed
+SECOND = ("write_note", {"title": "fix", "body": "second version"})
+RETESTED = ("run_tests", {"suite": "unit", "commit": "r2"})  # passed too
+
+
+@pytest.mark.parametrize(
+    ("calls", "mutation"),
+    [
+        ((FIRST, TESTED, SECOND), None),
+        ((FIRST, TESTED, SECOND, RETESTED), None),
+        ((FIRST, TESTED, SECOND), "stale-evidence"),
+    ],
+    ids=["changed-after-check", "checked-again", "control-stale-evidence"],
 )
 async def test_candidate_changes_after_a_check_and_its_checks_are_not_skipped(
-    ray_local: None, redis_url: str, fast: ProviderThread, testbed: Testbed
+    ray_local: None,
+    redis_url: str,
+    fast: ProviderThread,
+    testbed: Testbed,
+    calls: tuple[tuple[str, dict[str, str]], ...],
+    mutation: str | None,
 ) -> None:
-    # Given a trajectory that ran its check (run_tests) on a candidate, then changed the candidate
+    # Given a trajectory that writes its candidate (a note), runs its check (run_tests, passing), changes
+    # the candidate, and then claims it is done — with or without checking the change
     tid = unique("r5-candidate")
     handle = launch(
         tid,
         fast,
         testbed,
         redis_url,
-        scenario="finish_after:2",
-        grants=["run_tests"],
-        check="min_tool_results",
-        check_params={"count": 1},
+        scenario=_script(*calls),
+        grants=["write_note", "run_tests"],
+        check="candidate_checked",
+        check_params={"tools": ["run_tests"]},
+        mutation=mutation,
     )
     run = await ended(handle, tid, redis_url, testbed)
-    # Then the record knows which revision each check covered, and completion required a passing check of
-    # the revision it finished with (the record has no revisions yet: this is what issue 11 adds)
-    revisions = getattr(run.record, "revisions", ())
-    assert revisions and all(revision.checks for revision in revisions)
+    # Judged by the deliveries: was the last change of the candidate followed by a run of its check?
+    delivered = sorted((d for d in run.book.deliveries if d.trajectory_id == tid), key=lambda d: d.seq)
+    last_write = max(d.seq for d in delivered if d.tool == "write_note")
+    checked_after = [d for d in delivered if d.tool == "run_tests" and d.seq > last_write]
+    completed = run.summary["state"] == TrajectoryState.COMPLETED.value
+    if mutation is not None:
+        # (control) a runtime whose evidence has no scope completes on the first version's passing test
+        assert completed and not checked_after, run.summary
+        return
+    # Then completion was admitted only when the changed candidate had its own passing check ...
+    assert completed == bool(checked_after), (run.summary, run.record.revisions)
+    # ... and the record keeps each check with the revision it checked, each revision opened by its write
+    revisions = run.record.revisions
+    writes = [op for op in run.record.operations.values() if op.tool == "write_note"]
+    assert [r.operation_id for r in revisions] == [None, *(op.operation_id for op in writes)]
+    assert [[c.tool for c in r.checks] for r in revisions] == [
+        [],
+        ["run_tests"],
+        ["run_tests"] if checked_after else [],
+    ]
+    assert all(c.passed for r in revisions for c in r.checks)
+    if not completed:
+        assert run.record.check_passed is False and run.summary["state"] == TrajectoryState.FAILED.value
 
 
 # ------------------------------------------------------------------------------------------------ row 6

@@ -201,6 +201,8 @@ def examples() -> list[Event]:
         ApprovalVoted,
         CallObserved,
         CallWithheld,
+        CandidateChecked,
+        CandidateRevised,
         ChildCancelled,
         ChildSettled,
         ChildSpawned,
@@ -307,6 +309,8 @@ def examples() -> list[Event]:
         OperatorActed("9-0", ControlAction.SETTLE, "op:alice", "op-c4", "checked by hand"),
         OperationSettled("op-c5", Settlement.ESTABLISHED, "probe", {"env_id": "e-1"}, "c5", False),
         RepairEpisodeChanged("write_file", "repair-4.1", EpisodeState.OPEN, 1, 3, RepairChoice.REPAIR, "x"),
+        CandidateRevised(1, "op-c2", "write_file"),
+        CandidateChecked(1, "op-c5", "run_tests", True, "passed", "c5"),
         # issue 12: supervision
         HoldPlaced(HoldKind.INCIDENT, "disclosure", "policy:disclosure", T0 + 5, "inc-1", "esc-1"),
         HoldReleased(HoldKind.INCIDENT, "op:alice", "reviewed", "inc-1"),

@@ -11,7 +11,7 @@ import pytest
 from actors.contracts import ServerHints
 from cluster.runner import plan_launches
 from cluster.workload import WorkloadError, parse_workload, resolve_tool_contracts
-from runtime.tools import RepeatContract, SideEffect
+from runtime.tools import CandidateRole, RepeatContract, SideEffect
 
 _GRPC = """\
 tools:
@@ -103,6 +103,34 @@ def test_grpc_tools_declare_their_contracts_and_the_launch_carries_them() -> Non
     assert launch.tool_routes == dict.fromkeys(["lookup_order", "refund", "charge"], "orders.internal:7070")
     built = launch.tool_contracts["refund"].build("refund")
     assert built.pivot and built.compensation is not None and built.compensation.tool == "charge"
+
+
+_CANDIDATE = """\
+tools:
+  - {name: apply_patch, source: grpc, address: "127.0.0.1:7000", side_effect: irreversible,
+     needs_approval: false, arguments: {type: object}, candidate: revises}
+  - {name: run_suite, source: grpc, address: "127.0.0.1:7000", side_effect: read_only,
+     arguments: {type: object}, candidate: checks}
+trajectories:
+  - id: fix
+    grants: [apply_patch, run_suite]
+    completion_check: {kind: candidate_checked, tools: [run_suite]}
+"""
+
+
+def test_candidate_roles_and_the_candidate_check_reach_the_launch() -> None:
+    # Given the docs/tools.md example: one tool revises the candidate, one checks it
+    wl = parse_workload(_CANDIDATE, "w.yaml")
+    [(_, launch)] = plan_launches(
+        wl, run_id="r", redis_url="redis://x", base_url="http://p", testbed_address=None, created_at=1.0
+    )
+    # Then the runtime contracts carry the roles and the task contract names the required check
+    assert launch.tool_contracts["apply_patch"].build("apply_patch").candidate is CandidateRole.REVISES
+    assert launch.tool_contracts["run_suite"].build("run_suite").candidate is CandidateRole.CHECKS
+    assert (launch.completion_check.name, launch.completion_check.params["tools"]) == (
+        "candidate_checked",
+        ["run_suite"],
+    )
 
 
 def test_mcp_annotations_set_defaults_and_never_override_a_declaration(tmp_path: Path) -> None:
@@ -237,6 +265,21 @@ def _bad(doc: str) -> str:
         (
             "guard: local\nmcp_servers: {g: {command: [x]}}\ntrajectories: [{id: a}]\n",
             "mcp_servers need guard: actor",
+        ),
+        (
+            "tools: [{name: t, source: grpc, address: 'h:1', side_effect: read_only, arguments: {},"
+            " candidate: edits}]\ntrajectories: [{id: a}]\n",
+            "tools[0].candidate: Input should be 'revises' or 'checks'",
+        ),
+        (
+            "tools: [{name: run_tests}]\n"
+            "trajectories: [{id: a, grants: [run_tests], completion_check: {kind: candidate_checked,"
+            " tools: [lint]}}]\n",
+            "completion_check.tools not in its grants: lint",
+        ),
+        (
+            "trajectories: [{id: a, completion_check: {kind: min_tool_results, tools: [lint]}}]\n",
+            "`tools` belongs to the completion check candidate_checked",
         ),
         (
             "tools: [{name: 'has space', source: grpc, address: 'h:1'}]\ntrajectories: [{id: a}]\n",
