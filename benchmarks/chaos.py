@@ -412,9 +412,10 @@ def _judge(
     states: Counter[str] = Counter()
     terminal = handed_off = over_budget = 0
     notes = list(injector.notes)
+    records: dict[str, Any] = {}
     for tid, entries in sorted(ours.items()):
         try:
-            record = fold([decode(payload) for _, payload in entries])
+            record = records[tid] = fold([decode(payload) for _, payload in entries])
         except Exception as e:  # a log that does not fold is a finding, and the trajectory is lost
             notes.append(f"{tid}: log does not fold: {type(e).__name__}: {e}")
             states["UNFOLDABLE"] += 1
@@ -432,6 +433,8 @@ def _judge(
             over_budget += 1
             notes.append(f"{tid}: over budget: {spent}, provider billed {tokens} tokens")
     ledger = asyncio.run(_ledger(testbed))
+    orphans = explain_orphans(ledger, records)
+    notes.extend(orphans)
     return SeedResult(
         seed=seed,
         trajectories=trajectories,
@@ -449,6 +452,34 @@ def _judge(
         states=dict(states),
         notes=notes,
     )
+
+
+def explain_orphans(ledger: LedgerSnapshot, records: Mapping[str, Any]) -> list[str]:
+    """For each environment still allocated: whose it is (the trajectory that provisioned it, by the
+    deliveries of its effect key) and what that trajectory's record says about its release obligation."""
+    out = []
+    owners = {d.effect_key: d.trajectory_id for d in ledger.deliveries if d.tool == "provision_env"}
+    for env in ledger.orphaned_environments():
+        tid = owners.get(env.effect_key, "?")
+        record = records.get(tid)
+        if record is None:
+            out.append(
+                f"orphan {env.env_id}: provisioned by {tid}, whose log does not fold or does not exist"
+            )
+            continue
+        ops = [op for op in record.operations.values() if op.effect_key == env.effect_key]
+        obs = [o for op in ops for o in record.obligations.values() if o.operation_id == op.operation_id]
+        said = "; ".join(
+            f"obligation {o.state.value} owner={o.owner or '-'} resource={o.resource} "
+            f"evidence={list(o.evidence)[-2:]}"
+            for o in obs
+        )
+        op_said = ", ".join(f"{op.operation_id} {op.settlement.value} attempts={op.attempts}" for op in ops)
+        out.append(
+            f"orphan {env.env_id}: {tid} {record.state.value} exit={record.exit_reason}; "
+            f"operation {op_said or 'none on record'}; {said or 'no obligation on record'}"
+        )
+    return out
 
 
 async def _ledger(address: str) -> LedgerSnapshot:

@@ -272,11 +272,28 @@ def on_cleanup_permit(step: Step, inp: PermitGranted) -> None:
     step.do(DispatchTool(invocation, inp.guard, inp.sandbox))
 
 
+# A compensation refused its permits (the dependency's breaker open, its bulkhead full, its guard actor
+# restarting) asks again after a backoff, this many times, before it is stuck and handed off: a refusal
+# says "not now", and the cleanup is owed all the same (the trajectory's deadline still bounds the wait).
+_NOT_ADMITTED = "the compensation was not admitted"
+ADMISSION_ASKS = 10
+ADMISSION_BACKOFF_S = (0.5, 15.0)
+
+
 def on_cleanup_permit_refused(step: Step, inp: PermitRefused) -> None:
     ob = _by_call(step, inp.call_id)
     if ob is None or ob.state is not OB.ADMITTING or ob.request_id != inp.request_id:
         return
-    _update(step, ob, OB.STUCK, f"the compensation was not admitted: {inp.reason}: {inp.message}")
+    refused = 1 + sum(1 for e in ob.evidence if e.startswith(_NOT_ADMITTED))
+    detail = f"{_NOT_ADMITTED}: {inp.reason}: {inp.message}"
+    if refused >= ADMISSION_ASKS:
+        _update(step, ob, OB.STUCK, f"{detail} ({refused} times)")
+        return
+    base, cap = ADMISSION_BACKOFF_S
+    backoff = min(cap, base * 2 ** (refused - 1)) * (0.5 + step.uniform(f"cleanup-admit:{ob.obligation_id}"))
+    delay = max(inp.retry_after or 0.0, backoff)
+    timer = step.arm(TimerKind.RETRY, step.now + delay, subject=ob.call_id)
+    _update(step, ob, OB.BOUND, f"{detail}; asking again in {delay:.1f}s", request_id=timer.timer_id)
 
 
 def on_cleanup_outcome(step: Step, inp: ToolOutcomeReceived) -> None:

@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
+from runtime._decide_cleanup import ADMISSION_ASKS
 from runtime.clock import FakeClock
 from runtime.decider import decide
 from runtime.effects import AcquirePermit
 from runtime.events import CleanupDispatched, ObligationRegistered, ToolDispatchIntent
 from runtime.fold import fold
-from runtime.inputs import ControlReceived
+from runtime.inputs import ControlReceived, PermitRefused
 from runtime.obligations import ObligationState
 from runtime.ports import OutcomeClass, ProbeResult, Settlement, ToolOutcome
 from runtime.record import ControlAction, LeaseKind
@@ -284,6 +285,45 @@ def test_a_refused_compensation_stays_owned_and_is_handed_off_with_the_packet() 
     assert packet is not None and packet["goal"] == "Make the tests pass."
     assert packet["done"][0]["tool"] == "provision_env" and packet["done"][0]["result"] == {"env_id": "env-1"}
     assert any("tether settle" in d for d in packet["decision_needed"])
+
+
+def breaker_open_for(refusals: int):  # type: ignore[no-untyped-def]
+    """A guard whose breaker refuses the release ``refusals`` times ("retry in 2s"), then admits it."""
+    seen = {"n": 0}
+
+    def guard(effect: AcquirePermit) -> PermitRefused | None:
+        if effect.call_id.startswith("cleanup:"):
+            seen["n"] += 1
+            if seen["n"] <= refusals:
+                return PermitRefused(effect.call_id, effect.request_id, "BreakerOpen", "open", 2.0)
+        return None
+
+    return guard
+
+
+def test_a_compensation_refused_by_an_open_breaker_waits_and_runs() -> None:
+    # Given the release's dependency breaker open for its first three permit requests (chaos: the
+    # provisioner's replies were dropped, so its breaker opened just as trajectories finished)
+    sim = env_sim(provisioner("done"))
+    sim.guard = breaker_open_for(3)
+    start(sim)
+    rec = sim.run()
+    # Then the release waited out each refusal (at least the breaker's retry hint) and ran: nothing orphaned
+    (ob,) = rec.obligations.values()
+    assert ob.state is OB.DISCHARGED and sim.tools.allocated == set()
+    waits = [e for e in ob.evidence if e.startswith("the compensation was not admitted")]
+    assert len(waits) == 3 and all("asking again in" in e for e in waits)
+    assert rec.state is S.COMPLETED
+
+
+def test_a_compensation_the_breaker_never_admits_is_handed_off_after_bounded_asks() -> None:
+    sim = env_sim(provisioner("done"))
+    sim.guard = breaker_open_for(10_000)
+    start(sim)
+    rec = sim.run()
+    (ob,) = rec.obligations.values()
+    assert ob.state is OB.HANDED_OFF and len(sim.tools.allocated) == 1
+    assert sum(1 for e in ob.evidence if e.startswith("the compensation was not admitted")) == ADMISSION_ASKS
 
 
 def test_an_unknown_forward_outcome_binds_nothing_and_guesses_nothing() -> None:
