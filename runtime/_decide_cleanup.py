@@ -165,6 +165,8 @@ def unwind(step: Step) -> bool:
                 continue  # a probe after the cancel may still bind it
             elif op is not None and op.settlement is Settlement.ESTABLISHED:
                 _update(step, ob, OB.STUCK, "established, but nothing bound its target")
+            elif op is not None and not deadline_passed and _may_probe_forward(step, ob):
+                _probe_forward(step, ob, op.effect_key)
             else:
                 _update(
                     step, ob, OB.STUCK, "the forward outcome is unknown: nothing to bind, nothing guessed"
@@ -194,6 +196,42 @@ def unwind(step: Step) -> bool:
     for ob in waiting:
         _update(step, ob, OB.STUCK, "the trajectory's deadline passed before this cleanup finished")
     return True
+
+
+# A forward effect whose outcome is still unknown when the trajectory ends (its reply lost and the probes
+# of the time refused or unanswered: a breaker open, a guard restarting) is asked about again before its
+# obligation is given up: an answer binds the compensation (the environment is released, not orphaned).
+_FORWARD_PROBE = "probing the forward outcome before cleanup"
+_FORWARD_UNANSWERED = "the forward probe was not answered by its deadline"
+FORWARD_PROBE_ASKS = 3
+
+
+def _may_probe_forward(step: Step, ob: Obligation) -> bool:
+    if ob.forward_tool not in step.policy.registry or not step.policy.registry.get(ob.forward_tool).probe:
+        return False
+    return sum(1 for e in ob.evidence if e.startswith(_FORWARD_PROBE)) < FORWARD_PROBE_ASKS
+
+
+def _probe_forward(step: Step, ob: Obligation, key: str) -> None:
+    request_id = step.new_id("probe")
+    asked = 1 + sum(1 for e in ob.evidence if e.startswith(_FORWARD_PROBE))
+    _update(step, ob, OB.PLANNED, f"{_FORWARD_PROBE} (ask {asked})", request_id=request_id)
+    deadline = step.now + step.policy.probe_timeout_s
+    step.do(ProbeTool(ob.operation_id, ob.forward_tool, key, deadline, request_id))
+    step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, ob.call_id))
+    step.arm(TimerKind.CALL_DEADLINE, deadline + VERIFY_GRACE_S, subject=ob.call_id)
+
+
+def _forward_still_unknown(step: Step, ob: Obligation, detail: str) -> None:
+    """The forward probe left the outcome unknown: ask again after a pause while asks remain (the pause
+    lets a breaker close or a guard come back), else leave it to ``unwind``, which gives it up (stuck)."""
+    if _may_probe_forward(step, ob):
+        asked = sum(1 for e in ob.evidence if e.startswith(_FORWARD_PROBE))
+        delay = 2.0 * asked
+        timer = step.arm(TimerKind.RETRY, step.now + delay, subject=ob.call_id)
+        _update(step, ob, OB.PLANNED, f"{detail}; asking again in {delay:.0f}s", request_id=timer.timer_id)
+    else:
+        _update(step, ob, OB.PLANNED, detail)
 
 
 def _merge_shared(step: Step) -> None:
@@ -394,6 +432,9 @@ def cleanup_timed_out(step: Step, call_id: str) -> None:
     ob = _by_call(step, call_id)
     if ob is None:
         return
+    if ob.state is OB.PLANNED and ob.request_id is not None:
+        _forward_still_unknown(step, ob, _FORWARD_UNANSWERED)
+        return
     if ob.state is OB.VERIFYING:
         asked = 1 + sum(1 for e in ob.evidence if e == _UNANSWERED)
         if asked >= VERIFY_ASKS:
@@ -412,6 +453,8 @@ def cleanup_retry_due(step: Step, call_id: str) -> None:
     ob = _by_call(step, call_id)
     if ob is not None and ob.state is OB.BOUND and ob.request_id is not None:
         _update(step, ob, OB.BOUND, "backoff over: the compensation is admitted again")
+    elif ob is not None and ob.state is OB.PLANNED and ob.request_id is not None:
+        _update(step, ob, OB.PLANNED, "pause over: the forward outcome is asked about again")
 
 
 def on_cleanup_probe(step: Step, inp: ProbeAnswered) -> bool:
@@ -459,6 +502,10 @@ def on_cleanup_probe(step: Step, inp: ProbeAnswered) -> bool:
                 _update(step, ob, OB.STUCK, f"verification inconclusive: {result.detail or 'unknown'}")
             return True
         if ob.state is OB.PLANNED:
+            step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, ob.call_id))
+            if result.settlement is Settlement.UNKNOWN:
+                _forward_still_unknown(step, ob, f"probe answered: unknown ({result.detail or 'no detail'})")
+                return False
             step.emit(ObligationUpdated(ob.obligation_id, OB.PLANNED, f"probe answered: {result.settlement}"))
             return False  # the operation settles through the ordinary probe path, which binds it
     return False

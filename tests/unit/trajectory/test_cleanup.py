@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from runtime._decide_cleanup import ADMISSION_ASKS
+from runtime import _decide_cleanup as cleanup
+from runtime._decide_cleanup import ADMISSION_ASKS, FORWARD_PROBE_ASKS
 from runtime.clock import FakeClock
 from runtime.decider import decide
 from runtime.effects import AcquirePermit
@@ -21,7 +22,7 @@ from runtime.events import CleanupDispatched, ObligationRegistered, ToolDispatch
 from runtime.fold import fold
 from runtime.inputs import ControlReceived, PermitRefused
 from runtime.obligations import ObligationState
-from runtime.ports import OutcomeClass, ProbeResult, Settlement, ToolOutcome
+from runtime.ports import OutcomeClass, ProbeResult, Settlement, ToolInvocation, ToolOutcome
 from runtime.record import ControlAction, LeaseKind
 from runtime.states import ExitReason, TrajectoryState
 from runtime.tools import Compensation, RepeatContract, SideEffect, ToolContract
@@ -324,6 +325,46 @@ def test_a_compensation_the_breaker_never_admits_is_handed_off_after_bounded_ask
     (ob,) = rec.obligations.values()
     assert ob.state is OB.HANDED_OFF and len(sim.tools.allocated) == 1
     assert sum(1 for e in ob.evidence if e.startswith("the compensation was not admitted")) == ADMISSION_ASKS
+
+
+@pytest.mark.parametrize("asks", [FORWARD_PROBE_ASKS, 0], ids=["asked-again", "control-not-asked"])
+def test_an_environment_whose_reply_was_lost_is_asked_about_again_at_the_exit(
+    asks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a provisioning whose reply is lost after the environment was allocated, and probes that cannot
+    # tell while the trajectory works (chaos: the provisioner's guard restarting), so it goes on and ends
+    monkeypatch.setattr(cleanup, "FORWARD_PROBE_ASKS", asks)
+    sim = env_sim(provisioner("done"))
+    provision = sim.tools.behaviour["provision_env"]
+    stored: dict[str, Any] = {}  # the provisioner's own record of what each effect key created
+
+    def allocated_reply_lost(inv: ToolInvocation) -> ToolOutcome:
+        outcome = provision(inv)
+        assert outcome is not None
+        stored[inv.effect_key] = outcome.result
+        return ToolOutcome(Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, error="reply lost")
+
+    answers = sim.tools.probe
+
+    def probe(tool: str, effect_key: str) -> ProbeResult:
+        if tool != "provision_env":
+            return answers(tool, effect_key)
+        sim.tools.probes.append(effect_key)
+        if sim.rec.state is not S.FINALIZING:
+            return ProbeResult(Settlement.UNKNOWN, None, "guard unavailable")
+        return ProbeResult(Settlement.ESTABLISHED, stored[effect_key], "applied")
+
+    sim.tools.behaviour["provision_env"] = allocated_reply_lost
+    sim.tools.probe = probe  # type: ignore[method-assign]
+    start(sim, check="never")
+    rec = sim.run()
+    # Then at the exit the runtime asked the endpoint again, bound the release and the environment is gone
+    (ob,) = rec.obligations.values()
+    if asks == 0:  # (control) given up at once: the environment stays billed
+        assert ob.state is OB.HANDED_OFF and len(sim.tools.allocated) == 1
+        return
+    assert ob.state is OB.DISCHARGED and sim.tools.allocated == set(), ob.evidence
+    assert sim.tools.delivered("provision_env") == 1 and sim.tools.delivered("release_env") == 1
 
 
 def test_an_unknown_forward_outcome_binds_nothing_and_guesses_nothing() -> None:
