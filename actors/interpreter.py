@@ -20,7 +20,6 @@ incarnation exists, waking a hibernated trajectory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -330,15 +329,23 @@ class Interpreter:
                 return RunOutcome(self.record, hibernated=True)
             await self._ended.wait()
 
-    async def close(self) -> None:
-        """Cancel every effect and timer this interpreter started (the actor is going away)."""
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel every effect and timer this interpreter started (the actor is going away), waiting for
+        them at most ``timeout_s``: a task whose cancel was swallowed below it (a client library turning it
+        into a timeout it then handles) must not keep the actor from going away."""
         self._closed = True
         tasks = [t for t in [*self._tasks, *self._timers.values()] if not t.done()]
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+            for t in tasks:
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: an effect that failed while being cancelled is not news
+            if stuck:
+                _log.warning(
+                    "%s: %d task(s) did not stop within %ss", self.trajectory_id, len(stuck), timeout_s
+                )
         self._tasks.clear()
         self._timers.clear()
 

@@ -197,6 +197,7 @@ class StatusPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._writer: asyncio.Task[None] | None = None
+        self._closing = False
 
     def on_event(self, record: TrajectoryRecord, event: Event) -> None:
         if not isinstance(event, _SHOWN):
@@ -222,7 +223,7 @@ class StatusPublisher:
         self._hibernated = hibernated
         self._idle.clear()
         self._dirty.set()
-        if self._writer is None or self._writer.done():
+        if not self._closing and (self._writer is None or self._writer.done()):
             self._writer = asyncio.ensure_future(self._write_forever())
 
     async def flush(self, timeout_s: float = 5.0) -> None:
@@ -230,18 +231,29 @@ class StatusPublisher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
-    async def close(self) -> None:
-        """Stop the writer and close the live-event sink (this publisher owns it)."""
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the writer and close the live-event sink (this publisher owns it).
+
+        The writer is told to stop as well as cancelled, and waited for only ``timeout_s``: the Redis client
+        can turn a cancel that races its own socket timeout into a ``TimeoutError``, which the writer logs
+        like any failed write — without the flag it would then wait for the next snapshot forever (an
+        actor's shutdown hung that way under load)."""
+        self._closing = True
+        self._dirty.set()
         if self._writer is not None:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._writer
+                await asyncio.wait({self._writer}, timeout=timeout_s)
+            if not self._writer.done():
+                _log.warning("status writer of %s did not stop within %ss", self._trajectory_id, timeout_s)
         with contextlib.suppress(Exception):  # best effort: the process may be exiting
             await self._events.close()
 
     async def _write_forever(self) -> None:
-        while True:
+        while not self._closing:
             await self._dirty.wait()
+            if self._closing:
+                return
             self._dirty.clear()
             record, hibernated = self._latest, self._hibernated
             live, self._live = self._live, []
