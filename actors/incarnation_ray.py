@@ -27,7 +27,7 @@ from actors.incarnation import (
 )
 from runtime.clock import Clock, SystemClock
 
-__all__ = ["RayActors", "RedisTrajectories", "ray_incarnations", "ray_wake_gate"]
+__all__ = ["RayActors", "RedisTrajectories", "ray_incarnations", "ray_wake_gate", "stop_named_actors"]
 
 
 class RayActors:
@@ -164,3 +164,37 @@ def ray_incarnations(redis_url: str, adapters: Any, **options: Any) -> tuple[Inc
 
     incarnations = Incarnations(RayActors(ensure), store.info, gate=ray_wake_gate(), **options)
     return incarnations, store
+
+
+def stop_named_actors(handles: list[Any], namespace: str, *, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Stop long-lived named actors (relays, timer services) through their ``stop()`` and return what each
+    answered (its counters, ``name`` among them); kill any that do not answer. Waits, bounded, until their
+    names are free, so that starting them again right after creates new actors instead of finding the
+    dying ones through ``get_if_exists``."""
+    import time
+
+    import ray
+
+    out: list[dict[str, Any]] = []
+    for h in handles:
+        try:
+            out.append(ray.get(h.stop.remote(), timeout=timeout_s))
+        except Exception as e:  # already dead, or stuck: make sure it is gone
+            out.append({"error": repr(e)})
+        with contextlib.suppress(Exception):
+            ray.kill(h)
+    names = [str(stats.get("name")) for stats in out if stats.get("name")]
+    give_up = time.monotonic() + timeout_s
+    while names and time.monotonic() < give_up:
+        names = [n for n in names if _named_actor_exists(ray, n, namespace)]
+        if names:
+            time.sleep(0.05)
+    return out
+
+
+def _named_actor_exists(ray: Any, name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True

@@ -12,6 +12,7 @@ around it. Both take an injected clock, so the unit tests step them without slee
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,15 @@ import redis.exceptions
 from runtime.clock import Clock, SystemClock
 from runtime.errors import DependencyError
 
-__all__ = ["DEFAULT_OUTAGE_BUDGET_S", "UNREACHABLE", "Backoff", "Outage", "OutageExceeded", "is_outage"]
+__all__ = [
+    "DEFAULT_OUTAGE_BUDGET_S",
+    "UNREACHABLE",
+    "Backoff",
+    "Outage",
+    "OutageExceeded",
+    "is_outage",
+    "pause",
+]
 
 DEFAULT_OUTAGE_BUDGET_S = 300.0
 T = TypeVar("T")
@@ -132,3 +141,17 @@ def is_outage(error: BaseException) -> bool:
     if isinstance(error, DependencyError):
         return not error.non_retryable
     return isinstance(error, UNREACHABLE)
+
+
+async def pause(clock: Clock, seconds: float, stopping: asyncio.Event) -> None:
+    """Sleep ``seconds`` on ``clock``, but wake at once when ``stopping`` is set (a loop's backoff that
+    must not delay its ``stop()``)."""
+    if stopping.is_set():
+        return
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    stopper = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (sleeper, stopper):
+            t.cancel()

@@ -22,12 +22,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from actors.incarnation import Incarnations, Reach, TargetGone
-from actors.incarnation_ray import RedisTrajectories, ray_incarnations
+from actors.incarnation_ray import RedisTrajectories, ray_incarnations, stop_named_actors
 from actors.ports import AuditSink, ClusterPorts, ControlEnvelope, ControlVerifier, RelayStream
 from actors.relay_loop import (
     AUDIT_STREAM,
@@ -284,30 +283,4 @@ def start_relays(
 
 def stop_relays(handles: list[Any], *, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """Stop relays gracefully and return their counters (kill them if they do not answer)."""
-    import ray
-
-    out: list[dict[str, Any]] = []
-    for h in handles:
-        try:
-            out.append(ray.get(h.stop.remote(), timeout=timeout_s))
-        except Exception as e:  # already dead, or stuck: make sure it is gone
-            out.append({"error": repr(e)})
-        with contextlib.suppress(Exception):
-            ray.kill(h)
-    # Wait (bounded) until the names are free: a start_relays right after this must create new relays,
-    # not find the dying ones through get_if_exists.
-    names = [str(stats.get("name")) for stats in out if stats.get("name")]
-    give_up = time.monotonic() + timeout_s
-    while names and time.monotonic() < give_up:
-        names = [n for n in names if _actor_exists(ray, n)]
-        if names:
-            time.sleep(0.05)
-    return out
-
-
-def _actor_exists(ray: Any, name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
+    return stop_named_actors(handles, NAMESPACE, timeout_s=timeout_s)

@@ -43,7 +43,7 @@ from typing import Any, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.outage import Backoff, Outage, OutageExceeded, is_outage
+from actors.outage import Backoff, Outage, OutageExceeded, is_outage, pause
 from actors.ports import AuditEntry, AuditSink, ControlEnvelope, RelayDelivery, RelayStream
 from runtime.clock import Clock, SystemClock
 
@@ -490,12 +490,4 @@ class Relay:
 
     async def _pause(self, seconds: float) -> None:
         """Sleep on the injected clock, but wake at once on ``stop()``."""
-        if self._stopping.is_set():
-            return
-        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
-        stopper = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (sleeper, stopper):
-                t.cancel()
+        await pause(self.clock, seconds, self._stopping)

@@ -25,7 +25,6 @@ import collections
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,8 +32,14 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.incarnation import Incarnations, Reach
-from actors.incarnation_ray import RayActors, RedisTrajectories, ray_incarnations, ray_wake_gate
-from actors.outage import Outage, OutageExceeded, is_outage
+from actors.incarnation_ray import (
+    RayActors,
+    RedisTrajectories,
+    ray_incarnations,
+    ray_wake_gate,
+    stop_named_actors,
+)
+from actors.outage import Outage, OutageExceeded, is_outage, pause
 from actors.ports import ClusterPorts
 from cluster.timers import ClaimedTimer, RedisTimerStore
 from runtime.clock import Clock, SystemClock
@@ -238,15 +243,8 @@ class TimerService:
             log.warning("%s: completing %s/%s failed: %r", self.name, timer.trajectory_id, timer.timer_id, e)
 
     async def _pause(self, seconds: float) -> None:
-        if self._stopping.is_set():
-            return
-        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
-        stopper = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (sleeper, stopper):
-                t.cancel()
+        """Sleep on the injected clock, but wake at once on ``stop()``."""
+        await pause(self.clock, seconds, self._stopping)
 
 
 # --------------------------------------------------------------------------- the Ray shell
@@ -366,28 +364,4 @@ def start_timer_services(
 
 def stop_timer_services(handles: list[Any], *, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """Stop timer services and return their counters (kill them if they do not answer)."""
-    import ray
-
-    out: list[dict[str, Any]] = []
-    for h in handles:
-        try:
-            out.append(ray.get(h.stop.remote(), timeout=timeout_s))
-        except Exception as e:
-            out.append({"error": repr(e)})
-        with contextlib.suppress(Exception):
-            ray.kill(h)
-    names = [str(s.get("name")) for s in out if s.get("name")]
-    give_up = time.monotonic() + timeout_s
-    while names and time.monotonic() < give_up:
-        names = [n for n in names if _exists(ray, n)]
-        if names:
-            time.sleep(0.05)
-    return out
-
-
-def _exists(ray: Any, name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
+    return stop_named_actors(handles, NAMESPACE, timeout_s=timeout_s)
