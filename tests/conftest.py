@@ -183,44 +183,17 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def _machine_calibration() -> str:
-    """A few fixed operations timed here, to compare this machine with the one the suite was written on
-    (there: cpu loop 0.07-0.15s, process spawn ~1ms, fsync ~0.2ms)."""
-    import subprocess
-    import tempfile
+    """The benchmarks' calibration (``benchmarks._common.calibration``), as the summary's one line, to compare
+    this machine with the one the suite was written on (there: cpu loop 0.07-0.15s, process spawn ~1ms,
+    fsync ~0.2ms)."""
+    from benchmarks._common import calibration
 
-    started = time.perf_counter()
-    total = 0
-    for i in range(2_000_000):
-        total += i
-    cpu = time.perf_counter() - started
-    started = time.perf_counter()
-    for _ in range(10):
-        subprocess.run(["true"], check=False)
-    spawn = (time.perf_counter() - started) / 10
-    with tempfile.NamedTemporaryFile() as f:
-        started = time.perf_counter()
-        for _ in range(20):
-            f.write(b"x" * 64)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync = (time.perf_counter() - started) / 20
-    load = os.getloadavg()
+    c = calibration()
+    load = c["load_avg"]
     shm = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
     shm_mb = shm.f_bavail * shm.f_frsize // 2**20 if shm else 0
     return (
-        f"machine: cpu loop {cpu:.2f}s, process spawn {spawn * 1000:.1f}ms, fsync {fsync * 1000:.1f}ms, "
-        f"load {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, cpus {os.cpu_count()}, "
-        f"memory available {_meminfo_mb('MemAvailable')} MB of {_meminfo_mb('MemTotal')} MB, "
-        f"/dev/shm free {shm_mb} MB"
+        f"machine: cpu loop {c['cpu_loop_s']:.2f}s, process spawn {c['process_spawn_ms']:.1f}ms, "
+        f"fsync {c['fsync_ms']:.1f}ms, load {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, cpus {c['cpus']}, "
+        f"memory available {c['mem_available_mb']} MB of {c['mem_total_mb']} MB, /dev/shm free {shm_mb} MB"
     )
-
-
-def _meminfo_mb(field: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) // 1024
-    except OSError:
-        pass
-    return -1
