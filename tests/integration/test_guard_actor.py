@@ -127,3 +127,34 @@ async def test_fifty_concurrent_callers_at_cooldown_end_get_one_probe(guard: Gua
     await guard.record(permits[0], S)
     await guard.release(permits[0])
     assert (await guard.snapshot(scope)).state is BreakerState.CLOSED
+
+
+class _KeepsDeadGuard(GuardHandle):
+    """The protection off: a handle that keeps calling the guard actor it first found."""
+
+    async def _call(self, scope: str, method: str, *args: object) -> object:
+        return await getattr(self.actor(scope), method).remote(*args)
+
+
+@pytest.mark.parametrize("kind", [GuardHandle, _KeepsDeadGuard], ids=["replaces-dead-guard", "control-keeps"])
+async def test_a_killed_guard_actor_is_replaced_for_the_next_call(ray_local: None, kind: type) -> None:
+    import ray
+
+    # Given a handle that has used its scope's guard actor, and that actor killed (chaos: guard SIGKILL)
+    handle = kind(POLICY, holder="test-driver")
+    scope = _scope("killed")
+    permit = await handle.admit(scope, "before", _deadline())
+    await handle.release(permit)
+    dead = ray.get_actor(actor_name(scope), namespace="tether")
+    ray.kill(dead, no_restart=True)
+    # When the same handle asks again (a cleanup's release, later in the same trajectory process)
+    if kind is _KeepsDeadGuard:
+        # (control) the handle held on to the dead actor: every later call is refused
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            await handle.admit(scope, "after", _deadline())
+        return
+    permit = await handle.admit(scope, "after", _deadline())
+    # Then a new guard actor of the scope answered and settles normally
+    await handle.record(permit, S)
+    await handle.release(permit)
+    assert (await handle.snapshot(scope)).state is BreakerState.CLOSED
