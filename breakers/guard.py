@@ -18,6 +18,7 @@ scope to its actor, creating it on first use (``get_if_exists``), so any process
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,11 @@ class GuardActor:
             self._guard.reclaim()
 
 
+def _kill_quietly(handle: Any) -> None:
+    with contextlib.suppress(Exception):  # gone already: nothing to free
+        ray.kill(handle, no_restart=True)
+
+
 class GuardHandle:
     """``GuardPort`` over the guard actors: one actor per scope, created on first use.
 
@@ -183,10 +189,14 @@ class GuardHandle:
         restarted, its state is a cache of the breaker window) is forgotten and created again, once, by
         this call: a handle kept to a dead actor would refuse every later call of this process (a chaos run
         left 7 environments unreleased that way, each release refused 10 times by the same dead guard)."""
+        handle = self.actor(scope)
         try:
-            return await getattr(self.actor(scope), method).remote(*args)
+            return await getattr(handle, method).remote(*args)
         except ray.exceptions.ActorDiedError:
             self._actors.pop(scope, None)
+            # While its creator (the driver) holds a handle, a dead actor stays registered under its name and
+            # ``get_if_exists`` would hand it back: killing it frees the name (a blocking GCS call: a thread)
+            await asyncio.to_thread(_kill_quietly, handle)
             return await getattr(self.actor(scope), method).remote(*args)
 
     async def admit(self, scope: str, call_id: str, deadline: float) -> GuardPermit:

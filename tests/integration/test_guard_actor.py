@@ -138,19 +138,25 @@ class _KeepsDeadGuard(GuardHandle):
 
 @pytest.mark.parametrize("kind", [GuardHandle, _KeepsDeadGuard], ids=["replaces-dead-guard", "control-keeps"])
 async def test_a_killed_guard_actor_is_replaced_for_the_next_call(ray_local: None, kind: type) -> None:
+    import os
+    import signal
+
     import ray
 
-    # Given a handle that has used its scope's guard actor, and that actor killed (chaos: guard SIGKILL)
-    handle = kind(POLICY, holder="test-driver")
+    # Given a scope's guard actor created (and held) by one owner, as the driver of `tether run` does, and
+    # used by another handle (a trajectory's); then the guard's worker process SIGKILLed (chaos)
     scope = _scope("killed")
+    owner = GuardHandle(POLICY, holder="driver")
+    guard_actor = owner.actor(scope)
+    handle = kind(POLICY, holder="trajectory")
     permit = await handle.admit(scope, "before", _deadline())
     await handle.release(permit)
-    dead = ray.get_actor(actor_name(scope), namespace="tether")
-    ray.kill(dead, no_restart=True)
-    # When the same handle asks again (a cleanup's release, later in the same trajectory process)
+    pid = await guard_actor.__ray_call__.remote(lambda _self: os.getpid())
+    os.kill(pid, signal.SIGKILL)
+    # When the trajectory's handle asks again (a cleanup's release, later in the same process)
     if kind is _KeepsDeadGuard:
         # (control) the handle held on to the dead actor: every later call is refused
-        with pytest.raises(ray.exceptions.ActorDiedError):
+        with pytest.raises(ray.exceptions.RayActorError):
             await handle.admit(scope, "after", _deadline())
         return
     permit = await handle.admit(scope, "after", _deadline())
