@@ -16,8 +16,8 @@ replies. Nothing the runtime reports is taken on trust; after the run:
   the provider (its own count) exceed the token ceiling;
 - ``duplicate_effects``: deliveries of a non-repeatable tool that repeated an effect already applied, in
   flight or unknown (the testbed's record, ``LedgerSnapshot.duplicate_deliveries``);
-- ``orphaned``: environments the testbed still has allocated at the end (cleanup is issue 11: reported
-  either way);
+- ``orphaned``: environments the testbed still has allocated at the end, each explained in the notes (who
+  provisioned it, and what that trajectory's record says about its release);
 - ``lost_acked_entries``: log entries read back from Redis before its crash (so acknowledged) that are
   missing or changed afterwards;
 - ``tether_run``: its exit code and whether it wrote its report.
