@@ -404,6 +404,10 @@ def _after_attempt(
         )
     elif decision.action is RetryAction.PROBE and contract.probe:
         _verify(step, ob, op.effect_key)
+    elif settlement is Settlement.UNKNOWN and contract.probe:
+        # the attempts are spent and none was answered: the endpoint's record may still show one applied
+        _update(step, ob, OB.RUNNING, f"attempt {op.attempts} failed ({detail}); no attempts left")
+        _verify(step, ob, op.effect_key)
     else:
         _update(step, ob, OB.STUCK, f"the compensation did not complete: {detail} ({decision.reason})")
 
@@ -411,13 +415,15 @@ def _after_attempt(
 # A verification probe that never answers (its answer lost with the task that awaited it) is asked again
 # this many times, then the obligation is stuck and handed off: FINALIZING never waits on it for good.
 _UNANSWERED = "the verification was not answered by its deadline"
+_VERIFYING = "verifying the postcondition with the endpoint"
+_INCONCLUSIVE = "verification inconclusive"
 VERIFY_ASKS = 3
 VERIFY_GRACE_S = 5.0
 
 
 def _verify(step: Step, ob: Obligation, key: str) -> None:
     request_id = step.new_id("verify")
-    _update(step, ob, OB.VERIFYING, "verifying the postcondition with the endpoint", request_id=request_id)
+    _update(step, ob, OB.VERIFYING, _VERIFYING, request_id=request_id)
     deadline = step.now + step.policy.probe_timeout_s
     step.do(ProbeTool(ob.cleanup_operation or "", ob.tool, key, deadline, request_id))
     # the probe carries its deadline on the wire; this timer covers an answer that never comes back
@@ -455,6 +461,9 @@ def cleanup_retry_due(step: Step, call_id: str) -> None:
         _update(step, ob, OB.BOUND, "backoff over: the compensation is admitted again")
     elif ob is not None and ob.state is OB.PLANNED and ob.request_id is not None:
         _update(step, ob, OB.PLANNED, "pause over: the forward outcome is asked about again")
+    elif ob is not None and ob.state is OB.VERIFYING and ob.evidence[-1].startswith(_INCONCLUSIVE):
+        op = step.record.operations[ob.cleanup_operation or ""]
+        _verify(step, ob, op.effect_key)
 
 
 def on_cleanup_probe(step: Step, inp: ProbeAnswered) -> bool:
@@ -499,7 +508,17 @@ def on_cleanup_probe(step: Step, inp: ProbeAnswered) -> bool:
                     None,
                 )
             else:
-                _update(step, ob, OB.STUCK, f"verification inconclusive: {result.detail or 'unknown'}")
+                # the endpoint could not say (its probe failed, or was not sent in time on a busy node):
+                # asked again after a pause, a bounded number of times, before the obligation is stuck
+                detail = f"{_INCONCLUSIVE}: {result.detail or 'unknown'}"
+                asked = sum(1 for e in ob.evidence if e == _VERIFYING)
+                if asked < VERIFY_ASKS:
+                    delay = 2.0 * asked
+                    timer = step.arm(TimerKind.RETRY, step.now + delay, subject=ob.call_id)
+                    note = f"{detail}; asking again in {delay:.0f}s"
+                    _update(step, ob, OB.VERIFYING, note, request_id=timer.timer_id)
+                else:
+                    _update(step, ob, OB.STUCK, f"{detail} ({asked} times)")
             return True
         if ob.state is OB.PLANNED:
             step.disarm(step.record.timer_of(TimerKind.CALL_DEADLINE, ob.call_id))

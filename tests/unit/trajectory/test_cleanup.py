@@ -273,6 +273,62 @@ def test_a_declared_postcondition_in_the_reply_is_evidence_when_there_is_no_prob
     assert ob.state is OB.DISCHARGED and "postcondition" in ob.evidence[-1] and rec.handoff is None
 
 
+def flaky_release_probe(sim: Sim, inconclusive: int):  # type: ignore[no-untyped-def]
+    """The release's verification probe cannot tell ``inconclusive`` times (a busy node: its deadline passed
+    before it was sent), then answers from the service's record."""
+    answers = sim.tools.probe
+    seen = {"n": 0}
+
+    def probe(tool: str, effect_key: str) -> ProbeResult:
+        if tool == "release_env":
+            seen["n"] += 1
+            if seen["n"] <= inconclusive:
+                return ProbeResult(Settlement.UNKNOWN, None, "probe failed: DeadlinePassed: not sent")
+        return answers(tool, effect_key)
+
+    sim.tools.probe = probe  # type: ignore[method-assign]
+
+
+def test_an_inconclusive_verification_is_asked_again_after_a_pause() -> None:
+    sim = env_sim(provisioner("done"))
+    flaky_release_probe(sim, inconclusive=2)
+    start(sim)
+    rec = sim.run()
+    (ob,) = rec.obligations.values()
+    assert ob.state is OB.DISCHARGED and sim.tools.allocated == set(), ob.evidence
+    assert sum(1 for e in ob.evidence if e.startswith("verification inconclusive")) == 2
+
+
+def test_a_verification_that_never_concludes_is_handed_off_after_bounded_asks() -> None:
+    sim = env_sim(provisioner("done"))
+    flaky_release_probe(sim, inconclusive=10_000)
+    start(sim)
+    rec = sim.run()
+    (ob,) = rec.obligations.values()
+    assert ob.state is OB.HANDED_OFF and f"({cleanup.VERIFY_ASKS} times)" in " ".join(ob.evidence)
+
+
+def test_a_release_whose_every_attempt_timed_out_is_verified_before_it_is_given_up() -> None:
+    # Given a release that is applied but never answers in time (a busy node), every attempt of its budget
+    sim = env_sim(provisioner("done"))
+    release = sim.tools.behaviour["release_env"]
+
+    def applied_unanswered(inv: ToolInvocation) -> ToolOutcome:
+        applied = release(inv)
+        assert applied is not None
+        # the service stores its reply (what a probe returns); the caller never receives it
+        stored = applied.result
+        return ToolOutcome(Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, stored, error="timed out")
+
+    sim.tools.behaviour["release_env"] = applied_unanswered
+    start(sim)
+    rec = sim.run()
+    # Then, its attempts spent, the endpoint was asked: its record shows the release, so it is discharged
+    (ob,) = rec.obligations.values()
+    assert sim.tools.allocated == set() and sim.tools.delivered("release_env") == 3
+    assert ob.state is OB.DISCHARGED and "no attempts left" in " ".join(ob.evidence), ob.evidence
+
+
 def test_a_refused_compensation_stays_owned_and_is_handed_off_with_the_packet() -> None:
     sim = env_sim(provisioner("done"))
     sim.tools.behaviour["release_env"] = lambda inv: ToolOutcome(
