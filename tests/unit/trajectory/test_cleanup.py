@@ -329,6 +329,38 @@ def test_a_release_whose_every_attempt_timed_out_is_verified_before_it_is_given_
     assert ob.state is OB.DISCHARGED and "no attempts left" in " ".join(ob.evidence), ob.evidence
 
 
+def test_a_retry_after_an_absent_probe_that_creates_the_resource_still_gets_it_released() -> None:
+    # Given a provisioning whose first attempt is lost before it reached the service (the probe says absent)
+    # and whose retry, under the probe-then-retry contract, creates the environment
+    sim = env_sim(provisioner("done"))
+    provision = sim.tools.behaviour["provision_env"]
+    calls = {"n": 0}
+
+    def lost_then_applied(inv: ToolInvocation) -> ToolOutcome | None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return ToolOutcome(Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, error="connect reset")
+        return provision(inv)
+
+    answers = sim.tools.probe
+
+    def probe(tool: str, effect_key: str) -> ProbeResult:
+        if tool == "provision_env" and calls["n"] == 1:
+            sim.tools.probes.append(effect_key)
+            return ProbeResult(Settlement.ESTABLISHED_ABSENT, None, "never applied")
+        return answers(tool, effect_key)
+
+    sim.tools.behaviour["provision_env"] = lost_then_applied
+    sim.tools.probe = probe  # type: ignore[method-assign]
+    start(sim)
+    rec = sim.run()
+    # Then the absent first attempt did not discharge the obligation: the retry's result bound it, and the
+    # environment was released on the way out (chaos: 4 environments stayed billed before this rule)
+    (ob,) = rec.obligations.values()
+    assert sim.tools.delivered("provision_env") == 2 and sim.tools.allocated == set(), ob.evidence
+    assert ob.state is OB.DISCHARGED and sim.tools.delivered("release_env") == 1
+
+
 def test_a_refused_compensation_stays_owned_and_is_handed_off_with_the_packet() -> None:
     sim = env_sim(provisioner("done"))
     sim.tools.behaviour["release_env"] = lambda inv: ToolOutcome(
