@@ -43,6 +43,7 @@ from typing import Any, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors import aio
 from actors.outage import Backoff, Outage, OutageExceeded, is_outage, pause
 from actors.ports import AuditEntry, AuditSink, ControlEnvelope, RelayDelivery, RelayStream
 from runtime.clock import Clock, SystemClock
@@ -258,11 +259,7 @@ class Relay:
     async def shutdown(self) -> None:
         """Cancel the lanes and give the leases back, so another relay takes over at once."""
         lanes = [lane.task for lane in self._lanes.values() if lane.task is not None]
-        for task in lanes:
-            task.cancel()
-        for task in lanes:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await asyncio.gather(*(aio.stop(task, what=f"{self.name}: a delivery lane") for task in lanes))
         self._drop_all()
         held = sorted(self._held)
         self._held.clear()

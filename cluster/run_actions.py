@@ -19,7 +19,6 @@ A condition that never holds sends nothing (the trajectory ends by itself; the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Sequence
@@ -29,6 +28,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 
+from actors import aio
 from actors.status import status_key
 from cluster.control import ControlAction
 from cluster.control_client import ControlClient
@@ -127,6 +127,4 @@ async def alongside(main: Awaitable[T], actions: OperatorActions) -> T:
             if not side.cancelled() and side.exception() is not None:
                 _log.error("operator steps failed: %s", side.exception())
         else:
-            side.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await side
+            await aio.stop(side, what="the operator steps")

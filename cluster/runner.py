@@ -31,6 +31,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from actors import aio
 from actors.contracts import ServerHints
 from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch, save_launch
 from actors.outage import DEFAULT_OUTAGE_BUDGET_S, Outage
@@ -751,16 +752,13 @@ class Driver:
             waiting: set[asyncio.Future[Any]] = {follows, stopper}
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not follows.done():
-                follows.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await follows
+                await aio.stop(follows, what="following the trajectories")
                 raise RunStopped("the run was stopped before every trajectory ended")
             results = follows.result()
         finally:
-            for task in (sampler, stopper):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # bounded: a cancellation a library lost must not keep the run from returning (actors.aio)
+            await aio.stop(sampler, what="the status sampler")
+            await aio.stop(stopper, what="the stop watcher")
         with contextlib.suppress(Exception):  # the last picture is a view: Redis away must not fail the run
             await self._sample_once(client, started, on_progress)
         with contextlib.suppress(Exception):  # a view: a report without it says nothing rather than fail
@@ -907,8 +905,11 @@ class Driver:
 
     async def _sample(self, client: aioredis.Redis, started: float, on_progress: Progress | None) -> None:
         while True:
-            with contextlib.suppress(Exception):  # progress is a view: a failed sample is skipped
+            try:
                 await self._sample_once(client, started, on_progress)
+            except Exception:  # progress is a view: a failed sample is skipped, unless it was our cancel
+                if aio.cancel_requested():
+                    raise asyncio.CancelledError from None
             await asyncio.sleep(self.poll_s)
 
     async def _sample_once(

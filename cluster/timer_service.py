@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors import aio
 from actors.incarnation import Incarnations, Reach
 from actors.incarnation_ray import (
     RayActors,
@@ -186,11 +187,7 @@ class TimerService:
 
     async def shutdown(self) -> None:
         tasks = [lane.task for lane in self._lanes.values() if lane.task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await asyncio.gather(*(aio.stop(task, what="a timer lane") for task in tasks))
 
     def stats(self) -> dict[str, Any]:
         return {
