@@ -25,6 +25,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from actors import aio
 from runtime.clock import Clock
 from runtime.codec import decode, encode
 from runtime.decider import Decision, decide, evolve
@@ -335,17 +336,8 @@ class Interpreter:
         into a timeout it then handles) must not keep the actor from going away."""
         self._closed = True
         tasks = [t for t in [*self._tasks, *self._timers.values()] if not t.done()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
-            for t in tasks:
-                if t.done() and not t.cancelled():
-                    t.exception()  # retrieved: an effect that failed while being cancelled is not news
-            if stuck:
-                _log.warning(
-                    "%s: %d task(s) did not stop within %ss", self.trajectory_id, len(stuck), timeout_s
-                )
+        what = f"{self.trajectory_id}: an effect or timer"
+        await asyncio.gather(*(aio.stop(t, what=what, within_s=timeout_s) for t in tasks))
         self._tasks.clear()
         self._timers.clear()
 

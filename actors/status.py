@@ -24,6 +24,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from actors import aio
 from actors.ports import LiveEventSink
 from runtime.budget import Dimension
 from runtime.clock import Clock
@@ -241,11 +242,7 @@ class StatusPublisher:
         self._closing = True
         self._dirty.set()
         if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait({self._writer}, timeout=timeout_s)
-            if not self._writer.done():
-                _log.warning("status writer of %s did not stop within %ss", self._trajectory_id, timeout_s)
+            await aio.stop(self._writer, what=f"status writer of {self._trajectory_id}", within_s=timeout_s)
         with contextlib.suppress(Exception):  # best effort: the process may be exiting
             await self._events.close()
 
