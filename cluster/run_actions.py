@@ -123,8 +123,7 @@ async def alongside(main: Awaitable[T], actions: OperatorActions) -> T:
     try:
         return await main
     finally:
-        if side.done():
-            if not side.cancelled() and side.exception() is not None:
-                _log.error("operator steps failed: %s", side.exception())
-        else:
+        if not side.done():
             await aio.stop(side, what="the operator steps")
+        if side.done() and not side.cancelled() and side.exception() is not None:
+            _log.error("operator steps failed: %s", side.exception())

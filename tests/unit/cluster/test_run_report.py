@@ -1,13 +1,16 @@
 """The run report's world view (ledger summary, operator steps' conditions) and the workload's
-``operator`` step: what each reads and what it refuses."""
+``operator`` step: what each reads and what it refuses; operator steps that fail beside a run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from typing import Any
 
 import pytest
 
-from cluster.run_actions import condition_holds
+from cluster.run_actions import alongside, condition_holds
 from cluster.run_report import ledger_summary
 from cluster.workload import OperatorStep, WorkloadError, parse_workload
 from testbed.tools.ledger import Ledger
@@ -90,3 +93,32 @@ def test_a_bad_operator_step_is_refused_naming_the_field(line: str, named: str) 
     with pytest.raises(WorkloadError) as e:
         parse_workload(_BASE + line)
     assert named in str(e.value) and "operator" in str(e.value)
+
+
+class _Steps:
+    """Operator steps that fail at once, or that outlast the run and lose their cancel on the way out."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    async def run(self) -> None:
+        if self.fail:
+            raise ValueError("no keyring at /nowhere")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise ConnectionError("closed while cancelled") from None
+
+
+@pytest.mark.parametrize("fail", [True, False], ids=["failed-early", "failed-while-stopped"])
+def test_operator_steps_that_fail_are_logged_and_never_fail_the_run(
+    fail: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> str:
+        await asyncio.sleep(0.05)
+        return "results"
+
+    steps: Any = _Steps(fail)
+    with caplog.at_level(logging.ERROR, logger="cluster.run_actions"):
+        assert asyncio.run(alongside(main(), steps)) == "results"
+    assert any("operator steps failed" in r.getMessage() for r in caplog.records)
