@@ -384,6 +384,10 @@ class Interpreter:
         """Run one effect and decide its result (if it has one)."""
         try:
             inp = await work
+            if aio.cancel_requested():
+                # cancelled (close, or recovery after a failed write), but a library below turned the cancel
+                # into an error the effect reported as its result: a result of a stopped effect is not decided
+                raise asyncio.CancelledError
             if inp is not None and not self._closed:
                 await self.submit(inp)
         except asyncio.CancelledError:

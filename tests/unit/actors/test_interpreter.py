@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pytest
+
 from actors.interpreter import Interpreter, InterpreterPorts
 from runtime.clock import FakeClock
 from runtime.inputs import ControlReceived
@@ -176,4 +178,63 @@ async def test_other_effects_wait_for_the_append() -> None:
     assert tools.invoked == []
     log.open.set()
     await _until(lambda: tools.invoked == ["run_tests"], "the dispatch after the append")
+    await interp.close()
+
+
+class CancelLosingTools(HangingTools):
+    """A call that, cancelled, raises the client's own error instead (as redis-py and gRPC clients can)."""
+
+    async def invoke(self, invocation: ToolInvocation) -> ToolOutcome:
+        self.invoked.append(invocation.tool)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ConnectionError("closed while cancelled") from None
+        raise AssertionError("unreachable")
+
+
+class FailingOnce(GatedLog):
+    """A log whose next append fails (Redis away for one write)."""
+
+    fail = False
+
+    async def append_many(self, trajectory_id: str, payloads: Sequence[bytes]) -> list[str]:
+        if self.fail:
+            self.fail = False
+            raise ConnectionError("log unreachable")
+        return await super().append_many(trajectory_id, payloads)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_event(self, record: TrajectoryRecord, event: Any) -> None:
+        self.seen.append(event)
+
+    async def on_kill(self, record: TrajectoryRecord) -> None:
+        return None
+
+
+async def test_an_effect_stopped_for_recovery_never_has_its_result_decided() -> None:
+    # Given a tool call in flight whose client turns a cancel into its own error
+    clock = FakeClock()
+    log, tools, hooks = FailingOnce(), CancelLosingTools(), Events()
+    ports = InterpreterPorts(
+        model=OneCallModel(), tools=tools, log=log, admission=OpenAdmission(), clock=clock
+    )
+    interp = Interpreter("t1", policy(), ports, hooks)
+    await interp.create(created(clock))
+    await _until(lambda: tools.invoked and interp.record.state is S.WAITING_TOOL, "the call in flight")
+    before = len(hooks.seen)
+    # When a write fails and the interpreter recovers from the log (stopping everything in flight)
+    log.fail = True
+    roles = {"alice": frozenset({"operator"})}
+    approve = ControlReceived("a1", ControlAction.APPROVE, "alice", "ok", {"call_digest": "x"}, roles)
+    with pytest.raises(ConnectionError):
+        await interp.submit(approve)  # nothing of this decision happened: its caller is told so
+    await _until(lambda: len(tools.invoked) == 2, "the call dispatched again after the recovery")
+    # Then the stopped call's "result" (the client's error) was never decided: no late result was recorded
+    after = [type(e).__name__ for e in hooks.seen[before:]]
+    assert "ToolCallCancelled" in after and "LateResultDropped" not in after, after
     await interp.close()
