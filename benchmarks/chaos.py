@@ -17,7 +17,9 @@ replies. Nothing the runtime reports is taken on trust; after the run:
 - ``duplicate_effects``: deliveries of a non-repeatable tool that repeated an effect already applied, in
   flight or unknown (the testbed's record, ``LedgerSnapshot.duplicate_deliveries``);
 - ``orphaned``: environments the testbed still has allocated at the end, each explained in the notes (who
-  provisioned it, and what that trajectory's record says about its release);
+  provisioned it, and what that trajectory's record says about its release); ``orphaned_handed_off``, of
+  those, the ones whose release was handed off with the trajectory's packet (an owner was told; the rest
+  have none);
 - ``lost_acked_entries``: log entries read back from Redis before its crash (so acknowledged) that are
   missing or changed afterwards;
 - ``tether_run``: its exit code and whether it wrote its report.
@@ -58,6 +60,7 @@ from runtime.codec import decode
 from runtime.errors import DependencyError
 from runtime.fold import fold
 from runtime.memstore import LOG_KEY_PREFIX
+from runtime.obligations import ObligationState
 from testbed.provider import ProviderConfig
 from testbed.provider.launch import start_provider_subprocess
 from testbed.tools import FaultMode, FaultPlan, LedgerSnapshot, TestbedClient, TestbedProcess
@@ -104,6 +107,7 @@ class SeedResult:
     duration_s: float
     states: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    orphaned_handed_off: int = 0  # of ``orphaned``: released by nobody, but handed off with the packet
 
 
 # --------------------------------------------------------------------------- the schedule
@@ -442,8 +446,7 @@ def _judge(
             over_budget += 1
             notes.append(f"{tid}: over budget: {spent}, provider billed {tokens} tokens")
     ledger = asyncio.run(_ledger(testbed))
-    orphans = explain_orphans(ledger, records)
-    notes.extend(orphans)
+    notes.extend(explain_orphans(ledger, records))
     return SeedResult(
         seed=seed,
         trajectories=trajectories,
@@ -453,6 +456,7 @@ def _judge(
         lost=trajectories - terminal - handed_off,
         duplicate_effects=len(ledger.duplicate_deliveries()),
         orphaned=len(ledger.orphaned_environments()),
+        orphaned_handed_off=orphans_handed_off(ledger, records),
         over_budget=over_budget,
         lost_acked_entries=judge_acked(injector.acked, logs),
         tether_run_exit=None,
@@ -463,21 +467,41 @@ def _judge(
     )
 
 
-def explain_orphans(ledger: LedgerSnapshot, records: Mapping[str, Any]) -> list[str]:
-    """For each environment still allocated: whose it is (the trajectory that provisioned it, by the
-    deliveries of its effect key) and what that trajectory's record says about its release obligation."""
-    out = []
+def _orphans(
+    ledger: LedgerSnapshot, records: Mapping[str, Any]
+) -> list[tuple[Any, str, Any, list[Any], list[Any]]]:
+    """Each environment still allocated, with the trajectory that provisioned it (by the deliveries of its
+    effect key), that trajectory's folded record (None if it has none), the operations under the key and
+    their obligations."""
     owners = {d.effect_key: d.trajectory_id for d in ledger.deliveries if d.tool == "provision_env"}
+    found = []
     for env in ledger.orphaned_environments():
         tid = owners.get(env.effect_key, "?")
         record = records.get(tid)
+        ops = (
+            []
+            if record is None
+            else [op for op in record.operations.values() if op.effect_key == env.effect_key]
+        )
+        obs = (
+            []
+            if record is None
+            else [o for op in ops for o in record.obligations.values() if o.operation_id == op.operation_id]
+        )
+        found.append((env, tid, record, ops, obs))
+    return found
+
+
+def explain_orphans(ledger: LedgerSnapshot, records: Mapping[str, Any]) -> list[str]:
+    """For each environment still allocated: whose it is and what that trajectory's record says about its
+    release obligation."""
+    out = []
+    for env, tid, record, ops, obs in _orphans(ledger, records):
         if record is None:
             out.append(
                 f"orphan {env.env_id}: provisioned by {tid}, whose log does not fold or does not exist"
             )
             continue
-        ops = [op for op in record.operations.values() if op.effect_key == env.effect_key]
-        obs = [o for op in ops for o in record.obligations.values() if o.operation_id == op.operation_id]
         said = "; ".join(
             f"obligation {o.state.value} owner={o.owner or '-'} resource={o.resource} "
             f"evidence={list(o.evidence)[-2:]}"
@@ -489,6 +513,15 @@ def explain_orphans(ledger: LedgerSnapshot, records: Mapping[str, Any]) -> list[
             f"operation {op_said or 'none on record'}; {said or 'no obligation on record'}"
         )
     return out
+
+
+def orphans_handed_off(ledger: LedgerSnapshot, records: Mapping[str, Any]) -> int:
+    """Of the environments still allocated, those whose release the trajectory handed off with its packet:
+    still billed (so counted in ``orphaned``), but owned by whoever holds the packet, unlike the rest, which
+    nobody was told about."""
+    return sum(
+        1 for *_, obs in _orphans(ledger, records) if any(o.state is ObligationState.HANDED_OFF for o in obs)
+    )
 
 
 async def _ledger(address: str) -> LedgerSnapshot:
@@ -547,6 +580,7 @@ def run_chaos(
             "lost",
             "duplicate_effects",
             "orphaned",
+            "orphaned_handed_off",
             "over_budget",
             "lost_acked_entries",
         )
@@ -580,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     def progress(row: SeedResult) -> None:
         print(
             f"seed {row.seed}: terminal {row.terminal}/{row.trajectories} lost {row.lost} "
-            f"dup {row.duplicate_effects} orphaned {row.orphaned} over {row.over_budget} "
+            f"dup {row.duplicate_effects} orphaned {row.orphaned} (handed off {row.orphaned_handed_off}) "
+            f"over {row.over_budget} "
             f"lost-acked {row.lost_acked_entries} tether-run exit {row.tether_run_exit} "
             f"report {row.report_written} ({row.duration_s}s) faults {row.faults_injected}",
             flush=True,
