@@ -478,16 +478,11 @@ def _orphans(
     for env in ledger.orphaned_environments():
         tid = owners.get(env.effect_key, "?")
         record = records.get(tid)
-        ops = (
-            []
-            if record is None
-            else [op for op in record.operations.values() if op.effect_key == env.effect_key]
-        )
-        obs = (
-            []
-            if record is None
-            else [o for op in ops for o in record.obligations.values() if o.operation_id == op.operation_id]
-        )
+        ops: list[Any] = []
+        obs: list[Any] = []
+        if record is not None:
+            ops = [op for op in record.operations.values() if op.effect_key == env.effect_key]
+            obs = [o for op in ops for o in record.obligations.values() if o.operation_id == op.operation_id]
         found.append((env, tid, record, ops, obs))
     return found
 
