@@ -141,7 +141,10 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     log = (workdir / "proxy.log").open("w")
     process = subprocess.Popen(
         [
-            str(venv / "bin" / "litellm"),
+            # its console script names the environment's install-time path in its shebang; the module does not
+            str(venv / "bin" / "python"),
+            "-m",
+            "litellm.proxy.proxy_cli",
             "--config",
             "config.yaml",
             "--host",
