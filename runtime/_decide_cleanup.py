@@ -271,6 +271,16 @@ def _admit(step: Step, ob: Obligation) -> None:
     )
 
 
+def readmit(step: Step) -> None:
+    """After a restart: a compensation that was waiting for its permits asks for them again. The request
+    died with the lost incarnation, and unlike every other cleanup wait (a dispatched release, a
+    verification, a pause before asking again) it has no timer that would bring it back (chaos: releases
+    left waiting until the trajectory's deadline, then handed off with the environment still billed)."""
+    for ob in list(step.record.obligations.values()):
+        if ob.state is OB.ADMITTING:
+            _admit(step, ob)
+
+
 def on_cleanup_permit(step: Step, inp: PermitGranted) -> None:
     ob = _by_call(step, inp.call_id)
     if (

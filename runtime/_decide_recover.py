@@ -14,7 +14,9 @@ expiry) are still in the cluster's timer store. The rules, one row per state the
   retry's backoff resumes with its timer.
 - AWAITING_APPROVAL: nothing was in flight; the held call stays held and its expiry timer decides.
 - PAUSED: nothing was in flight; still paused, and the deadline still ends it.
-- FINALIZING: finalization runs again from the record.
+- FINALIZING: finalization runs again from the record: its timers are armed again (a dispatched
+  compensation's deadline, a verification's, a pause before asking again), and a compensation that was
+  waiting for its permits asks for them again.
 
 Every armed timer is started again (the local ones died with the actor; durable ones are re-stored, which
 is idempotent), and the deadline timer is armed if the log predates it.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from runtime._decide_cleanup import readmit
 from runtime._decide_dispatch import queue_for_permit
 from runtime._decide_finalize import enter_finalizing
 from runtime._step import Step
@@ -121,7 +124,7 @@ RECOVERY: Mapping[TrajectoryState, Callable[[Step], None]] = {
     S.WAITING_TOOL: _waiting_tool,
     S.AWAITING_APPROVAL: _nothing,
     S.PAUSED: _nothing,
-    S.FINALIZING: _nothing,
+    S.FINALIZING: readmit,
 }
 """The recovery decision per state (the table in this module's docstring)."""
 

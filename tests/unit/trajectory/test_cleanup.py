@@ -15,6 +15,7 @@ import pytest
 
 from runtime import _decide_cleanup as cleanup
 from runtime._decide_cleanup import ADMISSION_ASKS, FORWARD_PROBE_ASKS
+from runtime._decide_recover import RECOVERY
 from runtime.clock import FakeClock
 from runtime.decider import decide
 from runtime.effects import AcquirePermit
@@ -28,6 +29,7 @@ from runtime.states import ExitReason, TrajectoryState
 from runtime.tools import Compensation, RepeatContract, SideEffect, ToolContract
 
 from .sim import (
+    HOLD,
     ReleaseArgs,
     Sim,
     SimTools,
@@ -403,6 +405,33 @@ def test_a_compensation_refused_by_an_open_breaker_waits_and_runs() -> None:
     waits = [e for e in ob.evidence if e.startswith("the compensation was not admitted")]
     assert len(waits) == 3 and all("asking again in" in e for e in waits)
     assert rec.state is S.COMPLETED
+
+
+@pytest.mark.parametrize("readmit", [True, False], ids=["asked-again", "control-not-asked"])
+def test_a_restart_while_a_compensation_waits_for_its_permit_asks_for_it_again(
+    readmit: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a trajectory that finished its task and whose release waits in its dependency's bulkhead queue
+    # when its actor dies (chaos: three releases waited for the deadline, their environments still billed)
+    sim = env_sim(provisioner("done"))
+    sim.guard = lambda effect: HOLD if effect.call_id.startswith("cleanup:") else None
+    start(sim)
+    sim.run(until=sim.clock.wall() + 60)
+    (ob,) = sim.rec.obligations.values()
+    assert sim.rec.state is S.FINALIZING and ob.state is OB.ADMITTING and sim.parked_permits
+    if not readmit:  # the control: recovery in FINALIZING as it was, doing nothing
+        monkeypatch.setitem(RECOVERY, S.FINALIZING, lambda step: None)
+    # When a new incarnation folds the log (the parked request died with the old one) and the queue has room
+    sim.guard = None
+    sim.restart()
+    rec = sim.run()
+    (ob,) = rec.obligations.values()
+    if readmit:  # Then the release asked again, ran, and the environment is gone before the deadline
+        assert rec.state is S.COMPLETED and ob.state is OB.DISCHARGED
+        assert sim.tools.allocated == set() and sim.tools.delivered("release_env") == 1
+    else:  # without it the release waits for the deadline and is handed off, the environment still billed
+        assert ob.state is OB.HANDED_OFF and any("deadline passed" in e for e in ob.evidence)
+        assert len(sim.tools.allocated) == 1 and sim.tools.delivered("release_env") == 0
 
 
 def test_a_compensation_the_breaker_never_admits_is_handed_off_after_bounded_asks() -> None:
