@@ -89,6 +89,7 @@ class RetryLaunch(_Frozen):
     max_attempts: int = Field(3, ge=1)
     base_backoff_s: Positive = 0.2
     max_backoff_s: Positive = 5.0
+    cleanup_max_attempts: int = Field(8, ge=1)  # a compensation's own budget (it is owed all the same)
 
 
 class TrajectoryLaunch(_Frozen):

@@ -207,6 +207,11 @@ def build_policy(launch: TrajectoryLaunch, registry: ToolRegistry) -> Trajectory
             base_backoff_s=launch.retry.base_backoff_s,
             max_backoff_s=max(launch.retry.max_backoff_s, launch.retry.base_backoff_s),
         ),
+        cleanup_retry=RetryPolicy(
+            max_attempts=launch.retry.cleanup_max_attempts,
+            base_backoff_s=launch.retry.base_backoff_s,
+            max_backoff_s=max(launch.retry.max_backoff_s, launch.retry.base_backoff_s),
+        ),
         metadata=dict(launch.metadata),
         system_prompt=launch.system_prompt,
         idle_hibernate_s=launch.hibernate_after_s,

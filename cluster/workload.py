@@ -355,6 +355,9 @@ class RetrySpec(_Strict):
     max_attempts: PositiveInt = 3
     base_backoff_s: PositiveFloat = 0.2
     max_backoff_s: PositiveFloat = 5.0
+    # a compensation's own attempt budget: cleanup is owed whatever became of the forward work, so it is
+    # tried longer than a forward call (the trajectory's deadline still bounds it)
+    cleanup_max_attempts: PositiveInt = 8
 
 
 class BreakerSpec(_Strict):

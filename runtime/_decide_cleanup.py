@@ -396,7 +396,7 @@ def _after_attempt(
         return
     decision = decide_retry(
         contract=contract.repeat,
-        policy=step.policy.retry,
+        policy=step.policy.cleanup_retry,
         attempts_used=op.attempts,
         settlement=settlement,
         outcome_class=outcome_class,

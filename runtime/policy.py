@@ -46,6 +46,10 @@ class TrajectoryPolicy:
     model_backoff_base_s: float = 0.5
     model_backoff_cap_s: float = 20.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # a compensation is itself an action that can fail and needs its own retry (reliability guide §5):
+    # it is owed whatever happened to the forward work, so it gets a longer attempt budget than a forward
+    # call (whose failure the model can route around); the trajectory's deadline still bounds it
+    cleanup_retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(max_attempts=8))
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     reserve: FinalizationReserve = field(default_factory=FinalizationReserve)
     metadata: Mapping[str, str] = field(default_factory=dict)

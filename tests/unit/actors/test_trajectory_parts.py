@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from actors.launch import CheckLaunch, ProviderLaunch, TrajectoryLaunch
+from actors.launch import CheckLaunch, ProviderLaunch, RetryLaunch, TrajectoryLaunch
 from actors.status import status_fields, summarize
 from actors.tools_local import LocalTool, LocalToolPort, builtin_tools
 from actors.wiring import RoutedToolPort, build_created, build_policy, build_registry
@@ -65,6 +65,10 @@ def test_creation_event_is_a_pure_function_of_the_launch() -> None:
     assert policy.provider_key == "http://sim/v1|m" and policy.registry is registry
     # the decider's seed is the same in every process (never Python's salted str hash)
     assert policy.rng_seed == build_policy(launch(), registry).rng_seed == 901_592_516
+    # a compensation's own attempt budget reaches the decider; the forward budget stays the forward one's
+    assert (policy.retry.max_attempts, policy.cleanup_retry.max_attempts) == (3, 8)
+    tuned = build_policy(launch(retry=RetryLaunch(max_attempts=2, cleanup_max_attempts=5)), registry)
+    assert (tuned.retry.max_attempts, tuned.cleanup_retry.max_attempts) == (2, 5)
 
 
 @pytest.mark.parametrize(

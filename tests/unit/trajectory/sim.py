@@ -143,10 +143,18 @@ class SimTools:
     probes: list[str] = field(default_factory=list)
     unanswered_probes: Counter[str] = field(default_factory=Counter)  # tool -> probe answers never returned
     cancels: list[str] = field(default_factory=list)
+    # tool -> requests lost on the way, before the service saw them: the caller gets a timeout, the
+    # service's ledger shows no delivery (a network drop)
+    lost_on_the_way: Counter[str] = field(default_factory=Counter)
     allocated: set[str] = field(default_factory=set)  # the env service's own view: environments still billed
     released: set[str] = field(default_factory=set)
 
     def invoke(self, inv: ToolInvocation, now: float) -> ToolOutcome | None:
+        if self.lost_on_the_way[inv.tool] > 0:
+            self.lost_on_the_way[inv.tool] -= 1
+            return ToolOutcome(
+                Settlement.UNKNOWN, OutcomeClass.INFRASTRUCTURE_FAILURE, None, error="timed out"
+            )
         self.deliveries.append(Delivery(inv.tool, inv.call_id, inv.effect_key, inv.attempt_id, now))
         if self.honour_effect_keys and self.applied[inv.effect_key]:
             return ToolOutcome(Settlement.ESTABLISHED, OutcomeClass.SUCCESS, self.results[inv.effect_key])

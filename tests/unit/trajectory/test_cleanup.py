@@ -25,6 +25,7 @@ from runtime.inputs import ControlReceived, PermitRefused
 from runtime.obligations import ObligationState
 from runtime.ports import OutcomeClass, ProbeResult, Settlement, ToolInvocation, ToolOutcome
 from runtime.record import ControlAction, LeaseKind
+from runtime.retry import RetryPolicy
 from runtime.states import ExitReason, TrajectoryState
 from runtime.tools import Compensation, RepeatContract, SideEffect, ToolContract
 
@@ -327,8 +328,35 @@ def test_a_release_whose_every_attempt_timed_out_is_verified_before_it_is_given_
     rec = sim.run()
     # Then, its attempts spent, the endpoint was asked: its record shows the release, so it is discharged
     (ob,) = rec.obligations.values()
-    assert sim.tools.allocated == set() and sim.tools.delivered("release_env") == 3
+    budget = sim.policy.cleanup_retry.max_attempts
+    assert sim.tools.allocated == set() and sim.tools.delivered("release_env") == budget
     assert ob.state is OB.DISCHARGED and "no attempts left" in " ".join(ob.evidence), ob.evidence
+
+
+@pytest.mark.parametrize("budget", ["own-budget", "control-forward-budget"])
+def test_a_release_lost_on_the_way_three_times_is_tried_again_on_the_compensations_own_budget(
+    budget: str,
+) -> None:
+    # Given a release whose first three attempts never reach the service (dropped on the way: the endpoint's
+    # record shows none of them), then one that does: chaos seed 11 at 1f34557 handed such a release off
+    # with its environment still allocated, its budget the forward calls' 3 attempts
+    settings: dict[str, Any] = {}
+    if budget == "control-forward-budget":
+        settings["cleanup_retry"] = RetryPolicy(max_attempts=3)
+    sim = env_sim(provisioner("done"), **settings)
+    sim.tools.lost_on_the_way["release_env"] = 3
+    start(sim)
+    rec = sim.run()
+    (ob,) = rec.obligations.values()
+    if budget == "control-forward-budget":
+        # the control: the forward budget is spent and the environment is handed off, still billed
+        assert ob.state is OB.HANDED_OFF and sim.tools.allocated, ob.evidence
+        assert "attempt budget of 3 used" in " ".join(ob.evidence), ob.evidence
+        assert sim.tools.delivered("release_env") == 0
+        return
+    # Then the fourth attempt released it: discharged, the one delivery the service saw applied
+    assert ob.state is OB.DISCHARGED and sim.tools.allocated == set(), ob.evidence
+    assert sim.tools.delivered("release_env") == 1 and sim.tools.released == {"env-1"}
 
 
 def test_a_retry_after_an_absent_probe_that_creates_the_resource_still_gets_it_released() -> None:
