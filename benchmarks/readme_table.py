@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -39,18 +40,22 @@ def _s(d: Mapping[str, Any] | None, digits: int = 0, unit: str = "") -> str:
 
 def _provenance(data: Mapping[str, Any]) -> str:
     commit = data.get("commit") or {}
+    if isinstance(commit, str):  # a bare hash (``chaos.py``, the parked fleet), "+dirty" when it had changes
+        commit = {"sha": commit.removesuffix("+dirty"), "dirty": commit.endswith("+dirty")}
     sha = (commit.get("sha") or "")[:8]
     if not sha:
         return "commit not recorded"
     calibration = (data.get("calibration") or {}).get("before") or {}
     load = calibration.get("load_avg", [None])[0]
     busy = calibration.get("busy")
-    state = "busy machine" if busy else "quiet machine" if busy is not None else "load unknown"
+    state = "busy machine" if busy else "quiet machine" if busy is not None else "load not recorded"
+    if load is not None:
+        state += f" (load {load})"
     dirty = "+local changes" if commit.get("dirty") else ""
     when = (data.get("environment") or {}).get("measured_at", "")[:10]
     runs = data.get("runs")
     runs_text = f", {runs} runs" if isinstance(runs, int) else ""
-    return f"`{sha}`{dirty}, {when}, {state} (load {load}){runs_text}"
+    return f"`{sha}`{dirty}, {when}, {state}{runs_text}"
 
 
 def rate_limit(d: Mapping[str, Any]) -> str:
@@ -135,6 +140,21 @@ def control_latency(d: Mapping[str, Any]) -> str:
     )
 
 
+def chaos(d: Mapping[str, Any]) -> str:
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(d["faults_injected"].items()))
+    seconds = [r["duration_s"] for r in d["per_seed"]]
+    per_seed = {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds)}
+    commits = set(d.get("commits_per_chunk") or [d["commit"]])
+    at = "at one commit" if len(commits) == 1 else f"across {len(commits)} commits"
+    return (
+        f"{len(d['seeds'])} seeds x {d['trajectories']} trajectories {at}: {d['terminal']} terminal, "
+        f"{d['handed_off']} handed off, lost {d['lost']}, duplicate effects {d['duplicate_effects']}, "
+        f"orphaned {d['orphaned']}, over budget {d['over_budget']}, acknowledged entries lost "
+        f"{d['lost_acked_entries']}, `tether run` survived {d['tether_run_survived']}/{len(d['seeds'])}; "
+        f"faults: {faults}; {_s(per_seed, unit=' s')} per seed"
+    )
+
+
 ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("rate_limit", rate_limit),
     ("retry_storm", retry_storm),
@@ -143,6 +163,7 @@ ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("log_append", log_append),
     ("guard_throughput", guard_throughput),
     ("control_latency", control_latency),
+    ("chaos", chaos),
 )
 
 

@@ -55,3 +55,30 @@ def test_the_readme_between_its_markers_is_replaced_and_nothing_else(tmp_path: P
     new = regenerate(readme, tmp_path)
     assert new.startswith("intro\n") and new.endswith(f"{END}\nrest\n")
     assert "old table" not in new and "| benchmark |" in new
+
+
+def test_the_chaos_row_shows_every_judge_and_says_when_seeds_ran_at_different_commits(tmp_path: Path) -> None:
+    # Given a chaos result merged from two invocations at different commits, with one orphan
+    seeds = [{"duration_s": s} for s in (200.0, 250.0, 300.0)]
+    result = {
+        "seeds": [0, 1, 2],
+        "trajectories": 100,
+        "terminal": 300,
+        "handed_off": 0,
+        "lost": 0,
+        "duplicate_effects": 0,
+        "orphaned": 1,
+        "over_budget": 0,
+        "lost_acked_entries": 0,
+        "tether_run_survived": 3,
+        "faults_injected": {"redis_restart": 3},
+        "per_seed": seeds,
+        "commit": "0123456789abcdef+dirty",
+        "commits_per_chunk": ["0123456789abcdef+dirty", "fedcba9876543210"],
+        "environment": {"measured_at": "2026-12-01T06:00:00Z"},
+    }
+    (tmp_path / "chaos.json").write_text(json.dumps(result))
+    row = next(line for line in table(tmp_path).splitlines() if "`chaos`" in line)
+    # Then the orphan, the mixed commits and the per-seed spread are in it, with the commit as provenance
+    assert "orphaned 1" in row and "across 2 commits" in row and "250 s [200-300] per seed" in row
+    assert "`01234567`+local changes" in row and "load not recorded" in row
