@@ -137,6 +137,20 @@ def control_latency(d: Mapping[str, Any]) -> str:
         f"{d['record_ms']['p99']:.0f} ms; kill -> sandbox gone {d['kill_ms']['p50']:.0f} / "
         f"{d['kill_ms']['p99']:.0f} ms one at a time, {d['kill_burst_ms']['p50']:.0f} / "
         f"{d['kill_burst_ms']['p99']:.0f} ms in a burst; hibernated ≈ {hib.get('mean', 'n/a')} B"
+        + _parked(d.get("parked"))
+    )
+
+
+def _parked(p: Mapping[str, Any] | None) -> str:
+    if not p:
+        return "; parked fleet not measured"
+    each = ", ".join(f"{s:.0f}" for s in p["approve_all_s_each"])
+    reps = len(p["approve_all_s_each"])
+    return (
+        f"; parked fleet ({p['commit'][:8]}): {p['n']} parked trajectories approved at once, all terminal in "
+        f"{each} s ({reps} repetition{'s' if reps != 1 else ''}), a running trajectory's interrupt "
+        f"p50/p99 {p['interrupt_ms']['p50']:.0f} / {p['interrupt_ms']['p99']:.0f} ms meanwhile, "
+        f"{p['stuck']['interrupt_ms']['p99']:.0f} ms p99 beside {p['stuck']['entries']} stuck entries"
     )
 
 

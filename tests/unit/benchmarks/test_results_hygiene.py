@@ -82,3 +82,26 @@ def test_the_chaos_row_shows_every_judge_and_says_when_seeds_ran_at_different_co
     # Then the orphan, the mixed commits and the per-seed spread are in it, with the commit as provenance
     assert "orphaned 1" in row and "across 2 commits" in row and "250 s [200-300] per seed" in row
     assert "`01234567`+local changes" in row and "load not recorded" in row
+
+
+def test_the_control_latency_row_says_whether_the_parked_fleet_was_measured(tmp_path: Path) -> None:
+    live = {
+        "trajectories": 100,
+        "record_ms": {"p50": 8.0, "p99": 32.0},
+        "kill_ms": {"p50": 45.0, "p99": 90.0},
+        "kill_burst_ms": {"p50": 500.0, "p99": 700.0},
+        "hibernated_bytes": {"mean": 8000},
+    }
+    (tmp_path / "control_latency.json").write_text(json.dumps(live))
+    assert "parked fleet not measured" in table(tmp_path)
+    parked = {
+        "n": 300,
+        "approve_all_s_each": [519.2, 480.0, 500.0],
+        "interrupt_ms": {"p50": 27.0, "p99": 71.2},
+        "stuck": {"entries": 51, "interrupt_ms": {"p50": 6.0, "p99": 11.0}},
+        "commit": "0123456789abcdef",
+    }
+    (tmp_path / "control_latency.json").write_text(json.dumps({**live, "parked": parked}))
+    row = next(line for line in table(tmp_path).splitlines() if "`control_latency`" in line)
+    assert "300 parked trajectories" in row and "519, 480, 500 s (3 repetitions)" in row
+    assert "p50/p99 27 / 71 ms meanwhile" in row and "11 ms p99 beside 51 stuck entries" in row
