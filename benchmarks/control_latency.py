@@ -32,6 +32,7 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
 
     .venv/bin/python -m benchmarks.control_latency [--trajectories 100] [--rounds 5] [--hibernated 10]
     .venv/bin/python -m benchmarks.control_latency --only parked [--parked 300] [--repeats 3] [--slots 24]
+        [--append]   (add the repetitions to the stored ones instead of replacing them)
 """
 
 from __future__ import annotations
@@ -722,23 +723,23 @@ async def run_parked(n: int, repeats: int, slots: int, workdir: Path) -> dict[st
         ray.shutdown()
         provider.stop()
         server.stop()
-    samples = [x for r in rounds for x in r.pop("interrupt_samples_ms")]
-    baseline = [x for r in rounds for x in r.pop("baseline_samples_ms")]
-    totals = [r["approve_all_s"] for r in rounds]
-    return {
-        "n": n,
-        "approve_all_s": round(statistics.median(totals), 1),
-        "approve_all_s_each": totals,
-        "interrupt_ms": {"p50": round(percentile(samples, 50), 2), "p99": round(percentile(samples, 99), 2)},
-        "interrupt_samples": len(samples),
-        "interrupt_idle_ms": {
+    at = commit()
+    for r in rounds:
+        samples = r.pop("interrupt_samples_ms")
+        baseline = r.pop("baseline_samples_ms")
+        r["interrupt_ms"] = {
+            "p50": round(percentile(samples, 50), 2),
+            "p99": round(percentile(samples, 99), 2),
+        }
+        r["interrupt_idle_ms"] = {
             "p50": round(percentile(baseline, 50), 2),
             "p99": round(percentile(baseline, 99), 2),
-        },
-        "stuck": stuck,
-        "repetitions": rounds,
-        "commit": commit(),
-        "setup": {
+        }
+        r["commit"] = at
+    return summarise_parked(
+        rounds,
+        stuck=stuck,
+        setup={
             "trajectory_slots": slots,
             "relays": 2,
             "woken_by_relays": sum(int(s.get("woken", 0)) for s in relay_stats),
@@ -749,17 +750,81 @@ async def run_parked(n: int, repeats: int, slots: int, workdir: Path) -> dict[st
             "load_avg_1m_at_start": load_at_start,
             "ray_cpus": 2,
         },
-        "notes": (
-            "approve_all_s: median over repetitions of the time from just before the approvals are published "
-            "until every parked trajectory's status is terminal (each is woken from its launch by a relay as "
-            "slots free, and runs its approved call to completion). interrupt_ms: one interrupt at a time to "
-            "the live trajectory during those windows, control entry -> ControlRequested in its log (server "
-            "clock, 1 ms resolution); target p99 100 ms. interrupt_idle_ms: the same, 50 per repetition just "
-            "before approving (no wake-ups going on). stuck: the same with 51 undeliverable entries held by "
-            "the relays (trajectories whose actors can never be placed), no wake-up storm."
-        ),
+    )
+
+
+PARKED_NOTES = (
+    "approve_all_s: median over repetitions of the time from just before the approvals are published "
+    "until every parked trajectory's status is terminal (each is woken from its launch by a relay as "
+    "slots free, and runs its approved call to completion). interrupt_ms: one interrupt at a time to the "
+    "live trajectory during those windows, control entry -> ControlRequested in its log (server clock, 1 "
+    "ms resolution); target p99 100 ms; each repetition has its own p50/p99, and the summary is the "
+    "median of their p50s and the largest of their p99s. interrupt_idle_ms: the same, 50 per repetition "
+    "just before approving (no wake-ups going on). stuck: the same with 51 undeliverable entries held by "
+    "the relays (trajectories whose actors can never be placed), no wake-up storm; from the latest "
+    "invocation. Repetitions may come from several invocations (--append); each records its commit."
+)
+
+
+def summarise_parked(
+    rounds: list[dict[str, Any]], *, stuck: dict[str, Any], setup: dict[str, Any]
+) -> dict[str, Any]:
+    """The parked-fleet result from its repetitions (each with its own percentiles and commit)."""
+    if not rounds:
+        raise ValueError("no parked-fleet repetitions to summarise")
+    totals = [r["approve_all_s"] for r in rounds]
+    commits = [r["commit"] for r in rounds]
+
+    def summary(key: str) -> dict[str, float]:
+        return {
+            "p50": round(statistics.median(r[key]["p50"] for r in rounds), 2),
+            "p99": round(max(r[key]["p99"] for r in rounds), 2),
+        }
+
+    return {
+        "n": rounds[0]["n"],
+        "approve_all_s": round(statistics.median(totals), 1),
+        "approve_all_s_each": totals,
+        "interrupt_ms": summary("interrupt_ms"),
+        "interrupt_samples": sum(r["interrupts"] for r in rounds),
+        "interrupt_idle_ms": summary("interrupt_idle_ms"),
+        "stuck": stuck,
+        "repetitions": rounds,
+        "commit": commits[-1],
+        "commits_per_repetition": commits,
+        "setup": setup,
+        "notes": PARKED_NOTES,
         "environment": environment(),
     }
+
+
+def append_parked(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s repetitions after ``previous``'s, summarised together (same N and trajectory slots).
+
+    A result written before repetitions carried their own percentiles and commit had one repetition, so the
+    result's own figures are that repetition's."""
+    if previous["n"] != new["n"]:
+        raise ValueError(
+            f"cannot append: {new['n']} parked trajectories, the stored result has {previous['n']}"
+        )
+    slots = (previous.get("setup") or {}).get("trajectory_slots")
+    if slots != new["setup"]["trajectory_slots"]:
+        raise ValueError(
+            f"cannot append: trajectory_slots {new['setup']['trajectory_slots']} differs from {slots}"
+        )
+    old = [dict(r) for r in previous["repetitions"]]
+    missing = [r for r in old if "interrupt_ms" not in r or "commit" not in r]
+    if missing and len(old) != 1:
+        raise ValueError("cannot append: stored repetitions lack their own percentiles and commit")
+    for r in missing:
+        r.setdefault("interrupt_ms", previous["interrupt_ms"])
+        r.setdefault("interrupt_idle_ms", previous["interrupt_idle_ms"])
+        r.setdefault("commit", previous["commit"])
+    setup = dict(new["setup"])
+    setup["woken_by_relays"] = int((previous.get("setup") or {}).get("woken_by_relays", 0)) + int(
+        setup["woken_by_relays"]
+    )
+    return summarise_parked(old + new["repetitions"], stuck=new["stuck"], setup=setup)
 
 
 def main() -> None:
@@ -776,6 +841,11 @@ def main() -> None:
         default="all",
         help="run one case; the other's results are kept from the last JSON",
     )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's parked-fleet repetitions to the stored ones (same --parked and --slots)",
+    )
     args = parser.parse_args()
     previous = RESULTS_DIR / f"{NAME}.json"
     result: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
@@ -787,9 +857,10 @@ def main() -> None:
             if kept is not None:
                 result["parked"] = kept
         if args.only in ("all", "parked"):
-            result["parked"] = asyncio.run(
-                run_parked(args.parked, args.repeats, args.slots, Path(tmp) / "parked")
-            )
+            parked = asyncio.run(run_parked(args.parked, args.repeats, args.slots, Path(tmp) / "parked"))
+            if args.append and result.get("parked"):
+                parked = append_parked(result["parked"], parked)
+            result["parked"] = parked
     path = write_json(NAME, result)
     print(path)
     print({k: result.get(k) for k in ("trajectories", "record_ms", "kill_ms", "hibernated_bytes")})

@@ -145,7 +145,8 @@ def _parked(p: Mapping[str, Any] | None) -> str:
         return "; parked fleet not measured"
     each = ", ".join(f"{s:.0f}" for s in p["approve_all_s_each"])
     reps = len(p["approve_all_s_each"])
-    at = p["commit"][:8] + ("+local changes" if p["commit"].endswith("+dirty") else "")
+    commits = list(dict.fromkeys(p.get("commits_per_repetition") or [p["commit"]]))
+    at = ", ".join(c[:8] + ("+local changes" if c.endswith("+dirty") else "") for c in commits)
     return (
         f"; parked fleet ({at}): {p['n']} parked trajectories approved at once, all terminal in "
         f"{each} s ({reps} repetition{'s' if reps != 1 else ''}), a running trajectory's interrupt "
