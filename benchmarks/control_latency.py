@@ -724,18 +724,18 @@ async def run_parked(n: int, repeats: int, slots: int, workdir: Path) -> dict[st
         provider.stop()
         server.stop()
     at = commit()
-    for r in rounds:
-        samples = r.pop("interrupt_samples_ms")
-        baseline = r.pop("baseline_samples_ms")
-        r["interrupt_ms"] = {
+    for rep in rounds:
+        samples = rep.pop("interrupt_samples_ms")
+        baseline = rep.pop("baseline_samples_ms")
+        rep["interrupt_ms"] = {
             "p50": round(percentile(samples, 50), 2),
             "p99": round(percentile(samples, 99), 2),
         }
-        r["interrupt_idle_ms"] = {
+        rep["interrupt_idle_ms"] = {
             "p50": round(percentile(baseline, 50), 2),
             "p99": round(percentile(baseline, 99), 2),
         }
-        r["commit"] = at
+        rep["commit"] = at
     return summarise_parked(
         rounds,
         stuck=stuck,
