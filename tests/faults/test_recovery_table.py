@@ -3,10 +3,9 @@ on Ray, the durable log on a real redis-server, the simulated provider, and the 
 apply every delivery (no effect-key dedupe to hide a re-dispatch).
 
 Each row is judged by the testbed's deliveries and effects and by the folded record (``fault_kit``). Each
-row's property that the runtime provides today has a control: the same run with that protection switched
-off by a mutation (``mutations.py``), asserted to fail the same judge. A row that needs the cleanup issue
-(11) or the containment issue (12) is a strict xfail naming it: it fails today, and turns into an XPASS
-(a failure) the day it is fixed, so that its marker is removed then.
+row's property has a control: the same run with that protection switched off by a mutation
+(``mutations.py``), asserted to fail the same judge. The rows that needed the cleanup issue (11) or the
+containment issue (12) were strict xfails until those issues landed; none is left.
 
 Rows (recovery chapter, §12.9.3, table 10):
 
