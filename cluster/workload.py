@@ -106,7 +106,7 @@ class ProviderSpec(_Strict):
     model: str = "sim-small"
     api_key_env: str = "OPENAI_API_KEY"
     limits: Limits = Limits(tpm=60_000, rpm=600)
-    headroom: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    headroom: Annotated[float, Field(ge=0, lt=1)] = 0.02  # scheduler.config.ProviderLimits
     latency: Latency = Latency()
     prices: Prices = Prices()
 

@@ -114,7 +114,7 @@ class ProviderLimiter:
         self.sub_token_window: WindowLedger | None = None
         self.sub_request_window: WindowLedger | None = None
         if limits.sub_window > 0:
-            span = limits.sub_window * (1.0 + limits.headroom)
+            span = limits.sub_window * (1.0 + limits.sub_window_margin)
             if limits.sub_window_tokens:
                 self.sub_token_window = WindowLedger(
                     limits.sub_share(limits.tokens_per_minute), span, alone_fits=True

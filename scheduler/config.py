@@ -32,22 +32,32 @@ class ProviderLimits(_Frozen):
 
     The local buckets hold ``limit * (1 - headroom)`` and refill at that many per minute, so the
     runtime decides who waits instead of discovering the limit through 429s.
+
+    What the headroom has to cover is time, not volume: our ledger counts a call when it is admitted, the
+    provider when it arrives, so calls whose admission-to-arrival delays differ by ``d`` seconds can put up
+    to ``d / window_s`` of the limit into one provider window above what our ledger saw. The default 2 %
+    covers 1.2 s of such jitter on a one-minute window at full rate (a 5 % default covered 3 s and cost every
+    saturated key 3 % of its limit for it: ``benchmarks/rate_limit``). A key that other clients spend as
+    well needs more; the provider's ``remaining`` counts then also clamp the local levels.
     """
 
     tokens_per_minute: PositiveInt
     requests_per_minute: PositiveInt
-    headroom: float = Field(default=0.05, ge=0.0, lt=1.0)
+    headroom: float = Field(default=0.02, ge=0.0, lt=1.0)
     # The provider's accounting window: 60 s for real providers ("per minute"); the limits above are
     # per window, so a time-compressed testbed (e.g. 5 s windows) is modelled exactly.
     window_s: PositiveFloat = 60.0
     # Providers also enforce their limits over shorter periods ("a 60 RPM limit may act as 1 request per
     # second"); the scheduler keeps each sub-window below the provider's share of it, ceil(limit * sub /
-    # window). None: window_s / 60 (one second of a minute); 0: no sub-window. Headroom here is time: the
-    # share is counted over sub * (1 + headroom), so admissions a little early or late at the provider
-    # still fit its sub-window. Requests only, unless ``sub_window_tokens`` (for a provider that also
-    # meters tokens per sub-window: then a turn's high prompt estimate costs throughput, see the bench).
+    # window). None: window_s / 60 (one second of a minute); 0: no sub-window. The margin here is time: the
+    # share is counted over sub * (1 + sub_window_margin), so admissions a little early or late at the
+    # provider still fit its sub-window (5 % of a 1 s sub-window is 50 ms of jitter; a sub-window is short,
+    # so it needs a larger fraction than the window's headroom). Requests only, unless ``sub_window_tokens``
+    # (for a provider that also meters tokens per sub-window: then a turn's high prompt estimate costs
+    # throughput, see the bench).
     sub_window_s: float | None = Field(default=None, ge=0.0)
     sub_window_tokens: bool = False
+    sub_window_margin: float = Field(default=0.05, ge=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _room_for_one_request(self) -> Self:

@@ -158,7 +158,7 @@ async def test_with_the_scheduler_in_front_a_low_limit_workload_sees_no_429s_eve
 ) -> None:
     # Given a provider allowing 3000 tokens and 120 requests a minute, and 8 trajectories of 6 turns. Its
     # limits hold over the minute only: at these tiny limits a 1 s sub-window's share is a single request,
-    # and the first call's connection set-up (tens of ms) exceeds the 5 % time headroom the scheduler keeps
+    # and the first call's connection set-up (tens of ms) exceeds the 5 % time margin the scheduler keeps
     # in each sub-window (tested in tests/unit/scheduler/test_window.py; measured in benchmarks/rate_limit)
     with start_provider_thread(ProviderConfig(tpm=3_000, rpm=120, sub_window_s=0)) as provider:
         key = provider.base_url + "|tether-sim"

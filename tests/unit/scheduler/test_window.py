@@ -64,13 +64,14 @@ def test_greedy_admission_never_puts_more_than_capacity_in_any_window(steps: lis
 
 
 def test_a_60_rpm_key_is_paced_at_one_request_per_sub_window() -> None:
-    # Given a 60 RPM key (the provider may enforce it as 1 request per second) with 5 % headroom
-    limits = ProviderLimits(tokens_per_minute=10**9, requests_per_minute=60, headroom=0.05)
+    # Given a 60 RPM key (the provider may enforce it as 1 request per second), the default 5 % sub-window
+    # margin and the default headroom
+    limits = ProviderLimits(tokens_per_minute=10**9, requests_per_minute=60)
     limiter = ProviderLimiter(limits, FeedbackConfig(), 0.0)
     limiter.advance(600.0)  # a full bucket: only the ledgers can hold a burst back
     # When one request is admitted
     limiter.admit(1, 600.0)
-    # Then the next waits one sub-window plus the headroom in time (1.05 s), not a minute's share
+    # Then the next waits one sub-window plus the margin in time (1.05 s), not a minute's share
     assert not limiter.can_admit(1, 600.5)
     assert limiter.ready_at(1, 600.5) == pytest.approx(601.05)
     assert limiter.can_admit(1, 601.05)
@@ -98,13 +99,18 @@ def test_a_token_charge_larger_than_the_sub_share_goes_alone() -> None:
     st.integers(60, 900),
     st.integers(6_000, 90_000),
     st.sampled_from([0.0, 0.02, 0.05]),
+    st.sampled_from([0.0, 0.02, 0.05]),
 )
 def test_no_sub_window_is_ever_above_the_providers_share(
-    arrivals: list[tuple[float, int]], rpm: int, tpm: int, headroom: float
+    arrivals: list[tuple[float, int]], rpm: int, tpm: int, headroom: float, margin: float
 ) -> None:
     # Given any greedy arrival pattern against a full limiter
     limits = ProviderLimits(
-        tokens_per_minute=tpm, requests_per_minute=rpm, headroom=headroom, sub_window_tokens=True
+        tokens_per_minute=tpm,
+        requests_per_minute=rpm,
+        headroom=headroom,
+        sub_window_tokens=True,
+        sub_window_margin=margin,
     )
     limiter = ProviderLimiter(limits, FeedbackConfig(), 0.0)
     now = 600.0
@@ -114,9 +120,9 @@ def test_no_sub_window_is_ever_above_the_providers_share(
         if limiter.can_admit(cost, now):
             limiter.admit(cost, now)
             admitted.append((now, cost))
-    # Then every window of sub * (1 + headroom) holds at most the provider's per-second share (tokens
-    # beyond it only as a single charge), so arrivals shifted by up to the headroom still fit its 1 s window
-    span = 1.0 * (1 + headroom)
+    # Then every window of sub * (1 + margin) holds at most the provider's per-second share (tokens
+    # beyond it only as a single charge), so arrivals shifted by up to the margin still fit its 1 s window
+    span = 1.0 * (1 + margin)
     for t, _ in admitted:
         inside = [c for s, c in admitted if t - span < s <= t]
         assert len(inside) <= math.ceil(rpm / 60)
