@@ -88,6 +88,21 @@ def retry_storm(d: Mapping[str, Any]) -> str:
     return f"{s.get('trajectories')} trajectories, outage {outage:g} s: " + "; ".join(parts)
 
 
+def shared_limits(d: Mapping[str, Any]) -> str:
+    parts = []
+    for name, p in d["policies"].items():
+        shares = "/".join(_s(v, 2) for v in p["job_share"].values())
+        parts.append(
+            f"**{name}** combined goodput {_s(p['goodput_ratio'], 3)}, 429s {_s(p['rate_limited'])}, "
+            f"job shares of the tokens {shares}"
+        )
+    s = d.get("settings") or {}
+    return (
+        f"{d.get('jobs')} jobs x {s.get('per_job')} trajectories on one Ray cluster, one provider key "
+        f"({s.get('tpm'):,} TPM): " + "; ".join(parts)
+    )
+
+
 def node_capacity(d: Mapping[str, Any]) -> str:
     sc, mem, hib = d["scheduler"], d["actor_memory_mb"], d["hibernated"]
     est = d.get("max_live_estimate") or {}
@@ -172,6 +187,7 @@ def chaos(d: Mapping[str, Any]) -> str:
 ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("rate_limit", rate_limit),
     ("retry_storm", retry_storm),
+    ("shared_limits", shared_limits),
     ("node_capacity", node_capacity),
     ("turn_overhead", turn_overhead),
     ("log_append", log_append),
