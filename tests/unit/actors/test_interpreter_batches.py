@@ -9,13 +9,14 @@ an effect reaches them: an effect whose intent is not yet on disk is counted, wh
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from actors.interpreter import Interpreter, InterpreterPorts
 from runtime.clock import FakeClock
 from runtime.codec import decode
-from runtime.events import Event, ModelCallIntent, ToolDispatchIntent
+from runtime.events import Event, ModelCallIntent, ToolDispatchIntent, ToolResultAccepted
 from runtime.fold import fold
 from runtime.memstore import MemoryLogStore
 from runtime.ports import (
@@ -27,6 +28,8 @@ from runtime.ports import (
     Settlement,
     ToolInvocation,
     ToolOutcome,
+    TurnGrant,
+    TurnRequest,
 )
 from runtime.states import ExitReason, TrajectoryState
 
@@ -144,4 +147,44 @@ async def test_a_crash_between_any_two_batches_recovers_to_the_same_end() -> Non
         assert again.unannounced == [], where
         assert fold(again.log.events(), policy()) == survivor.record, where
         await survivor.close()
+    await interp.close()
+
+
+class QueuedAdmission(OpenAdmission):
+    """Admits the first turn; every later one queues until the test lets it through."""
+
+    def __init__(self) -> None:
+        self.admitted = 0
+        self.gate = asyncio.Event()
+
+    async def admit_turn(self, request: TurnRequest) -> TurnGrant:
+        self.admitted += 1
+        if self.admitted > 1:
+            await self.gate.wait()
+        return await super().admit_turn(request)
+
+
+async def test_a_result_held_behind_a_queued_admission_is_written_within_the_hold() -> None:
+    # Given a trajectory whose second turn queues at the scheduler
+    clock = FakeClock()
+    world = World()
+    admission = QueuedAdmission()
+    ports = InterpreterPorts(model=world, tools=world, log=world.log, admission=admission, clock=clock)
+    interp = Interpreter(TID, policy(), ports, hold_s=0.05)
+    await interp.create(created(clock))
+    for _ in range(200):
+        if admission.admitted == 2:
+            break
+        await asyncio.sleep(0)
+    # When the tool's outcome has been decided and the next request waits in the queue
+    assert admission.admitted == 2
+    assert not any(isinstance(e, ToolResultAccepted) for e in world.log.events())  # held, not lost yet
+    clock.advance(0.05)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    # Then the held result is on disk once the hold is over, though no intent followed it
+    assert any(isinstance(e, ToolResultAccepted) for e in world.log.events())
+    admission.gate.set()
+    await interp.run()
+    assert interp.record.exit_reason is ExitReason.COMPLETED and world.unannounced == []
     await interp.close()
