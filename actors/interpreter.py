@@ -3,8 +3,17 @@
 Input -> ``runtime.decide`` -> append the events durably (one batch, one acknowledgement) -> carry out the
 effects, concurrently -> their results are the next inputs. Nothing is decided here: this module only turns
 effects into port calls and port results (and port errors) into inputs. Inputs are decided one at a time,
-in arrival order; an effect never starts before the events of its decision are durable (intent before
-effect).
+in arrival order; an effect that reaches outside never starts before the events of its decision are
+durable (intent before effect).
+
+Batches: a decision on an effect's result whose own effects touch only admission, permits, settlement and
+local timers (leases that lapse by themselves if the actor dies) is *held*: those effects start at once and
+its events go out with the next batch, in log order, before the next effect that reaches outside (or after
+``hold_s``, so an admission that queues for minutes does not keep a learned result off the disk). A plain
+tool-using turn is then two fsyncs, one per intent: [the tool's outcome, the next request, the turn
+started, the model call's intent] and [the reply settled, the call queued, the dispatch intent]. A crash
+loses at most the held events, exactly as it would have lost a decision just before its append; control
+deliveries and timer deliveries always wait for their batch (their callers acknowledge on it).
 
 When an append fails (the log store gave up after its outage budget), nothing of that decision happened:
 no event is kept and no effect is started. Whatever was in flight may now have lost its answer, so the
@@ -179,6 +188,29 @@ class InterpreterPorts:
     children: ChildrenPort | None = None
 
 
+# Effects that may start while their decision's events are still held: they touch nothing outside but
+# admission, permits and settlement, whose leases lapse by themselves if the actor dies, and local timers.
+# A crash loses the held events with them, as it would have lost them just before an append.
+_BEFORE_THE_LOG = (
+    RequestAdmission,
+    SettleAdmission,
+    ReportLimits,
+    AcquirePermit,
+    ReleasePermit,
+    StartTimer,
+    CancelTimer,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """One decided event not yet written: the record after it, and the timer it fired (if any)."""
+
+    event: Event
+    record: TrajectoryRecord
+    fired: Timer | None
+
+
 @dataclass(frozen=True, slots=True)
 class RunOutcome:
     """How ``Interpreter.run`` returned: the trajectory ended, or it hibernated while waiting."""
@@ -198,6 +230,7 @@ class Interpreter:
         hooks: Hooks | None = None,
         *,
         recovery_budget_s: float = 300.0,
+        hold_s: float = 0.05,
     ) -> None:
         self.trajectory_id = trajectory_id
         self.policy = policy
@@ -214,7 +247,11 @@ class Interpreter:
         self._hibernated = False
         self._recovering: asyncio.Future[None] | None = None
         self._closed = False
-        self.appends = 0  # durable batches written (one per decision with events)
+        self.hold_s = hold_s
+        self._held: list[_Held] = []  # decided, not yet written (see ``submit``)
+        self._durable: TrajectoryRecord | None = None  # the record as the log holds it
+        self._flusher: asyncio.Future[None] | None = None
+        self.appends = 0  # durable batches written
 
     # ------------------------------------------------------------------ the record
 
@@ -237,7 +274,7 @@ class Interpreter:
         await self.ports.log.append_many(self.trajectory_id, [encode(e) for e in first])
         self.appends += 1
         self._events = list(first)
-        self._record = fold(first, self.policy)
+        self._record = self._durable = fold(first, self.policy)
         for event in first:
             self.hooks.on_event(self._record, event)
         await self.submit(Started())
@@ -254,12 +291,19 @@ class Interpreter:
         entries = await self.ports.log.read(self.trajectory_id)
         events = [decode(payload) for _, payload in entries]
         self._events = events
-        self._record = fold(events, self.policy)
+        self._held, self._flusher = [], None
+        self._record = self._durable = fold(events, self.policy)
 
     # ------------------------------------------------------------------ inputs
 
-    async def submit(self, inp: Input) -> Decision:
-        """Decide ``inp``, make its events durable (one batch), then start its effects."""
+    async def submit(self, inp: Input, *, durable: bool = True) -> Decision:
+        """Decide ``inp``, make its events durable, then start its effects.
+
+        With ``durable=False`` (an effect's result, a local timer) a decision whose effects touch nothing
+        outside but leases that lapse by themselves (``_BEFORE_THE_LOG``) is held: its events join the next
+        batch, written before the next effect that does touch the world (or within ``hold_s``), so a turn
+        costs one fsync per intent. Every other decision is written at once, with whatever was held before
+        it, in log order: an intent is always durable before its effect starts."""
         async with self._lock:
             record = self.record
             decision = decide(record, inp, self.ports.clock.wall())
@@ -274,29 +318,23 @@ class Interpreter:
                 elif isinstance(effect, KillProcesses) and teardown is None:
                     teardown = asyncio.ensure_future(self._kill(effect))
             if decision.events:
-                try:
-                    await self.ports.log.append_many(self.trajectory_id, [encode(e) for e in decision.events])
-                except Exception as e:
-                    # Nothing of this decision happened. Whatever it answered may be lost: recover.
-                    _log.warning("%s: append failed (%s); recovering from the log", self.trajectory_id, e)
-                    self._start_recovery()
-                    raise
-                finally:
-                    if teardown is not None:
-                        await teardown
-                self.appends += 1
                 # the records the decision evolved (the same fold; recomputed only if a decision lacks them)
                 after = decision.records if len(decision.records) == len(decision.events) else None
                 for i, event in enumerate(decision.events):
                     before = record
                     record = after[i] if after is not None else evolve(record, event)
-                    self._events.append(event)
-                    self.hooks.on_event(record, event)
-                    if isinstance(event, TimerFired):
-                        self._forget_timer(before.timers.get(event.timer_id))
-                self._record = record
-            elif teardown is not None:
-                await teardown
+                    fired = before.timers.get(event.timer_id) if isinstance(event, TimerFired) else None
+                    self._held.append(_Held(event, record, fired))
+            write = durable or record.is_terminal or not self._may_hold(decision.effects)
+            try:
+                if self._held and write:
+                    await self._flush()
+                elif decision.events:
+                    self._record = record
+                    self._flush_later()
+            finally:
+                if teardown is not None:
+                    await teardown
             for effect in decision.effects:
                 # a stop started above; kill acts at once: the processes are gone before it is acknowledged
                 if not isinstance(effect, KillProcesses | CancelModelStream):
@@ -308,6 +346,55 @@ class Interpreter:
                 self._hibernated = False
                 self._ended.clear()
         return decision
+
+    def _may_hold(self, effects: Sequence[Effect]) -> bool:
+        for effect in effects:
+            if isinstance(effect, StartTimer | CancelTimer):
+                if effect.timer.kind.durable and self.ports.timers is not None:
+                    return False  # the timer store is outside: it must not hold a timer the log lacks
+            elif not isinstance(effect, _BEFORE_THE_LOG):
+                return False
+        return True
+
+    async def _flush(self) -> None:
+        """Write everything held as one batch (caller holds the lock). On failure nothing held happened:
+        the record goes back to the durable one and the interpreter recovers from the log."""
+        held, self._held = self._held, []
+        if self._flusher is not None and self._flusher is not asyncio.current_task():
+            self._flusher.cancel()
+        self._flusher = None
+        if not held:
+            return
+        try:
+            await self.ports.log.append_many(self.trajectory_id, [encode(h.event) for h in held])
+        except Exception as e:
+            # Nothing of these decisions happened. Whatever they answered may be lost: recover.
+            _log.warning("%s: append failed (%s); recovering from the log", self.trajectory_id, e)
+            self._record = self._durable
+            self._start_recovery()
+            raise
+        self.appends += 1
+        for h in held:
+            self._events.append(h.event)
+            self.hooks.on_event(h.record, h.event)
+            if h.fired is not None:
+                self._forget_timer(h.fired)
+        self._durable = self._record = held[-1].record
+
+    def _flush_later(self) -> None:
+        """Bound how long held events stay in memory (an admission may queue for minutes)."""
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self._spawn(self._flush_after_hold())
+
+    async def _flush_after_hold(self) -> None:
+        await self.ports.clock.sleep(self.hold_s)
+        async with self._lock:
+            if self._flusher is not asyncio.current_task():
+                return  # a batch went out meanwhile and took the held events with it
+            try:
+                await self._flush()
+            except Exception:
+                return  # reported, and recovery started, by _flush
 
     async def deliver(self, message: ControlReceived | ControlRefused) -> str:
         """Record a verified control message (or audit a refused one); the answer the relay acts on:
@@ -389,7 +476,7 @@ class Interpreter:
                 # into an error the effect reported as its result: a result of a stopped effect is not decided
                 raise asyncio.CancelledError
             if inp is not None and not self._closed:
-                await self.submit(inp)
+                await self.submit(inp, durable=False)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -657,6 +744,6 @@ class Interpreter:
             del self._timers[timer.timer_id]
         if not self._closed:
             try:
-                await self.submit(TimerDue(timer.timer_id))
+                await self.submit(TimerDue(timer.timer_id), durable=False)
             except Exception:
                 _log.exception("%s: timer %s could not be decided", self.trajectory_id, timer.timer_id)

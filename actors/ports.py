@@ -97,6 +97,12 @@ class LiveEventSink(Protocol):
 
     async def publish(self, trajectory_id: str, kind: str, at: float, data: Mapping[str, Any]) -> None: ...
 
+    async def publish_many(
+        self, trajectory_id: str, kind: str, items: Sequence[tuple[float, Mapping[str, Any]]]
+    ) -> None:
+        """``publish`` for each (at, data), in order, in one round trip."""
+        ...
+
     async def close(self) -> None: ...
 
 

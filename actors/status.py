@@ -4,7 +4,10 @@ and state-change events on ``tether:events``.
 None of this is the durable record (the log is): the snapshot and the events are views for ``tether run``'s
 progress bar and for ``tether watch``/``status``. They are therefore written off the critical path: the
 harness's ``on_event`` hook only marks the latest snapshot dirty, and one writer task per actor flushes it
-(coalescing bursts: ten appends in a millisecond are one write).
+(coalescing bursts: ten appends in a millisecond are one write). A write goes out at once when the view was
+idle; changes that come while the last write is younger than ``min_interval_s`` wait for it to pass and go
+out together (the snapshot once, the live events in one pipelined round trip), so a running trajectory
+costs Redis a few view writes per second, not several per turn.
 
 Snapshot hash ``tether:status:<id>`` fields: ``state``, ``turns``, ``rho``, ``binding_dimension``,
 ``exit_reason``, ``tokens``, ``dollars``, ``hibernated`` (``0``/``1``), ``held_digest``, ``held_tool``,
@@ -19,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -184,8 +188,16 @@ class StatusPublisher:
     """Coalescing writer of one trajectory's snapshot and live events (a ``TrajectoryHooks`` event sink)."""
 
     def __init__(
-        self, client: aioredis.Redis, events: LiveEventSink, trajectory_id: str, clock: Clock
+        self,
+        client: aioredis.Redis,
+        events: LiveEventSink,
+        trajectory_id: str,
+        clock: Clock,
+        *,
+        min_interval_s: float = 0.05,
     ) -> None:
+        self.min_interval_s = min_interval_s
+        self._written_at = -math.inf
         self._client = client
         self._events = events
         self._key = status_key(trajectory_id)
@@ -251,6 +263,12 @@ class StatusPublisher:
             await self._dirty.wait()
             if self._closing:
                 return
+            # a turn is several batches a few ms apart: what they show goes out as one write
+            wait = self._written_at + self.min_interval_s - self._clock.now()
+            if wait > 0:
+                await self._clock.sleep(wait)
+                if self._closing:
+                    return
             self._dirty.clear()
             record, hibernated = self._latest, self._hibernated
             live, self._live = self._live, []
@@ -258,9 +276,9 @@ class StatusPublisher:
                 if record is not None:
                     fields = status_fields(record, hibernated=hibernated, now=self._clock.wall())
                     await self._client.hset(self._key, mapping=dict[Any, Any](fields))
-                for at, data in live:
-                    await self._events.publish(self._trajectory_id, "state", at, data)
+                await self._events.publish_many(self._trajectory_id, "state", live)
             except Exception as e:  # a view that cannot be written is logged, never fatal
                 _log.warning("status of %s not written: %r", self._trajectory_id, e)
+            self._written_at = self._clock.now()
             if not self._dirty.is_set():
                 self._idle.set()

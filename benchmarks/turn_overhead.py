@@ -9,7 +9,10 @@ folding, context building, dispatch and settlement.
 
 In the same run and from inside the same actor, the floor: one bare Ray actor round trip plus one Redis
 ``XADD`` under the same fsync setting. Per turn the harness also records where its time went (log appends
-and how many, admission hops, the model and tool calls, and the remainder: pure harness compute).
+and how many, admission hops, the model and tool calls, and the remainder: pure harness compute). A tool
+turn is two durable batches, one per intent (the model call's, the dispatch's): the interpreter holds the
+events of decisions that start only admission, settlement, permits or local timers and writes them with the
+next intent.
 
     .venv/bin/python -m benchmarks.turn_overhead [--turns 150] [--trajectories 3]
 

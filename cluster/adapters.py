@@ -129,6 +129,12 @@ class LiveEvents:
             LiveEvent(trajectory_id=trajectory_id, kind=kind, at=at, data=dict(data))
         )
 
+    async def publish_many(
+        self, trajectory_id: str, kind: str, items: Sequence[tuple[float, Mapping[str, Any]]]
+    ) -> None:
+        events = [LiveEvent(trajectory_id=trajectory_id, kind=kind, at=at, data=dict(d)) for at, d in items]
+        await self._stream.publish_events(events)
+
     async def close(self) -> None:
         await self._stream.close()
 

@@ -538,6 +538,22 @@ class ControlStream:
             )
         return _text(entry_id)
 
+    async def publish_events(self, events: Sequence[LiveEvent]) -> list[str]:
+        """``publish_event`` for each, in order, in one pipelined round trip."""
+        if not events:
+            return []
+        with redis_errors(self._url, f"publishing to {self.events_stream}"):
+            pipe = self._client.pipeline(transaction=False)
+            for event in events:
+                pipe.xadd(
+                    self.events_stream,
+                    {_FIELD: encode_event(event)},
+                    maxlen=self.events_maxlen,
+                    approximate=True,
+                )
+            ids = await pipe.execute()
+        return [_text(i) for i in ids]
+
     async def read_events(
         self, after: str = "$", *, count: int = 100, block_ms: int | None = None
     ) -> list[tuple[str, LiveEvent]]:

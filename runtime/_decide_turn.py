@@ -26,7 +26,7 @@ from runtime._decide_finalize import abandon_calls, enter_finalizing, finalize, 
 from runtime._decide_tools import route
 from runtime._step import STOPS, Step
 from runtime.budget import BudgetStage, Dimension, assess
-from runtime.context import build_messages, estimate_tokens
+from runtime.context import context_of, estimate_from_chars
 from runtime.effects import (
     CallModel,
     CancelModelStream,
@@ -282,31 +282,21 @@ def _affordable_max_tokens(step: Step, prompt_estimate: int) -> int | None:
     return ceiling if ceiling >= min(16, rec.limits.max_output_tokens) else None
 
 
-# The last (transcript, prompt, registry, grants) and what they built: a turn asks twice (the estimate at
-# the request, the call at the grant) for the same immutable transcript. Keyed by identity and equality of
-# immutable inputs, so the answer is the one a fresh build would give; copies are handed out.
-_LAST_BUILT: list[tuple[object, object, object, tuple[str, ...], list[Any], list[Any]]] = []
-
-
-def _tools_and_messages(step: Step) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+def _tools_and_messages(step: Step) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """The tools and messages of the next call, and its prompt estimate (``estimate_tokens`` of both).
+    A turn asks twice (at the request and at the grant) and each turn extends the last: both are cached
+    in ``runtime.context`` and the registry, so a turn costs what it added to the transcript."""
     rec = step.record
     registry = step.policy.registry
-    granted = tuple(sorted(t for t in rec.grants.tools if rec.grants.allows(t) and t in registry))
-    prompt = step.policy.system_prompt
-    if _LAST_BUILT:
-        transcript, last_prompt, last_registry, last_granted, tools, messages = _LAST_BUILT[0]
-        same = transcript is rec.transcript and last_registry is registry and last_granted == granted
-        if same and last_prompt == prompt:
-            return list(tools), list(messages)
+    granted = sorted(t for t in rec.grants.tools if rec.grants.allows(t) and t in registry)
     tools = registry.openai_tool_specs(granted)
-    messages = build_messages(rec.transcript, prompt)  # type: ignore[arg-type]
-    _LAST_BUILT[:] = [(rec.transcript, prompt, registry, granted, tools, messages)]
-    return list(tools), list(messages)
+    messages, chars = context_of(rec.transcript, step.policy.system_prompt)
+    prompt = estimate_from_chars(chars + registry.spec_chars(granted), len(messages))
+    return tools, messages, prompt
 
 
 def _request_turn(step: Step) -> bool:
-    tools, messages = _tools_and_messages(step)
-    prompt = estimate_tokens(messages, tools)
+    _, _, prompt = _tools_and_messages(step)
     max_tokens = _affordable_max_tokens(step, prompt)
     if max_tokens is None:
         if step.policy.reserve.dollars > 0 and supervise.reserve_reached(step):
@@ -360,7 +350,7 @@ def on_admission_granted(step: Step, inp: AdmissionGranted) -> None:
             grant.grant_id, rec.limits.model, request.max_tokens, call_deadline, request.prompt_tokens
         )
     )
-    tools, messages = _tools_and_messages(step)
+    tools, messages, _ = _tools_and_messages(step)
     model_request = ModelRequest(
         trajectory_id=rec.trajectory_id,
         model=rec.limits.model,

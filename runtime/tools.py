@@ -367,6 +367,9 @@ class ToolRegistry:
 
     def __init__(self, contracts: Iterable[ToolContract] = ()) -> None:
         self._tools: dict[str, ToolContract] = {}
+        # each tool's spec and its JSON characters, built once (a name is registered once; contracts are
+        # frozen)
+        self._specs: dict[str, tuple[dict[str, Any], int]] = {}
         for contract in contracts:
             self.register(contract)
 
@@ -442,7 +445,19 @@ class ToolRegistry:
         """OpenAI tool specs for ``names`` (all tools when None), in the order given (sorted for all).
         Keep the order stable across turns: reordering the tool list breaks the prefix cache."""
         selected = self.names() if names is None else list(names)
-        return [self.get(n).openai_spec() for n in selected]
+        return [self._spec(n)[0] for n in selected]
+
+    def spec_chars(self, names: Iterable[str]) -> int:
+        """The JSON characters of those tools' specs (what ``runtime.context.estimate_tokens`` counts)."""
+        return sum(self._spec(n)[1] for n in names)
+
+    def _spec(self, name: str) -> tuple[dict[str, Any], int]:
+        # shared between turns (the model adapters only read a request): never changed once built
+        known = self._specs.get(name)
+        if known is None:
+            spec = self.get(name).openai_spec()
+            known = self._specs[name] = (spec, len(json.dumps(spec, ensure_ascii=False, default=str)))
+        return known
 
     def validate(self, tool: str, raw_arguments: str) -> dict[str, Any]:
         """Parse and validate the model's raw argument text; return canonical arguments (defaults
