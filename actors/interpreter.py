@@ -13,7 +13,9 @@ its events go out with the next batch, in log order, before the next effect that
 tool-using turn is then two fsyncs, one per intent: [the tool's outcome, the next request, the turn
 started, the model call's intent] and [the reply settled, the call queued, the dispatch intent]. A crash
 loses at most the held events, exactly as it would have lost a decision just before its append; control
-deliveries and timer deliveries always wait for their batch (their callers acknowledge on it).
+deliveries and timer deliveries always wait for their batch (their callers acknowledge on it). Evidence only
+the world could tell again is never held (``_may_hold_events``): the result of a call that may not be
+repeated, a settlement, a started job's handle, an obligation.
 
 When an append fails (the log store gave up after its outage budget), nothing of that decision happened:
 no event is kept and no effect is started. Whatever was in flight may now have lost its answer, so the
@@ -70,7 +72,19 @@ from runtime.errors import (
     PolicyRefusal,
     ProviderRateLimited,
 )
-from runtime.events import Event, ObservationAppended, ObservationKind, TimerFired, TrajectoryCreated
+from runtime.events import (
+    CleanupSettled,
+    Event,
+    ObligationRegistered,
+    ObligationUpdated,
+    ObservationAppended,
+    ObservationKind,
+    OperationSettled,
+    TimerFired,
+    ToolJobStarted,
+    ToolResultAccepted,
+    TrajectoryCreated,
+)
 from runtime.fold import fold
 from runtime.inputs import (
     AdmissionDenied,
@@ -202,6 +216,26 @@ _BEFORE_THE_LOG = (
 )
 
 
+# Events that are evidence of what an outside effect did or owes: written at once, never held. A crash
+# that lost one would turn a known outcome into an unknown one (or forget a duty), and an unknown outcome
+# of an operation that may not be repeated costs a probe or an operator.
+_EVIDENCE = (OperationSettled, CleanupSettled, ToolJobStarted, ObligationRegistered, ObligationUpdated)
+
+
+def _may_hold_events(record: TrajectoryRecord, events: Sequence[Event]) -> bool:
+    """Whether ``events`` may wait in memory for the next batch: nothing in them is evidence that only
+    the world holds otherwise. A tool's result may wait only when its operation is repeat-safe (an
+    idempotent or deduplicated call that recovery may simply send again)."""
+    for event in events:
+        if isinstance(event, _EVIDENCE):
+            return False
+        if isinstance(event, ToolResultAccepted):
+            op = record.operation_for_call(event.call_id)
+            if op is None or not op.repeat_safe:
+                return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class _Held:
     """One decided event not yet written: the record after it, and the timer it fired (if any)."""
@@ -305,7 +339,7 @@ class Interpreter:
         costs one fsync per intent. Every other decision is written at once, with whatever was held before
         it, in log order: an intent is always durable before its effect starts."""
         async with self._lock:
-            record = self.record
+            record = before_decision = self.record
             decision = decide(record, inp, self.ports.clock.wall())
             # Stopping announces no external effect, so it need not wait for the log: a kill tears the
             # processes down and a stream is aborted while the decision is being made durable (one slow
@@ -325,7 +359,12 @@ class Interpreter:
                     record = after[i] if after is not None else evolve(record, event)
                     fired = before.timers.get(event.timer_id) if isinstance(event, TimerFired) else None
                     self._held.append(_Held(event, record, fired))
-            write = durable or record.is_terminal or not self._may_hold(decision.effects)
+            write = (
+                durable
+                or record.is_terminal
+                or not self._may_hold(decision.effects)
+                or not _may_hold_events(before_decision, decision.events)
+            )
             try:
                 if self._held and write:
                     await self._flush()

@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from actors.interpreter import Interpreter, InterpreterPorts
 from runtime.clock import FakeClock
 from runtime.codec import decode
@@ -32,8 +34,9 @@ from runtime.ports import (
     TurnRequest,
 )
 from runtime.states import ExitReason, TrajectoryState
+from runtime.tools import RepeatContract, SideEffect, ToolContract
 
-from ..trajectory.sim import created, finish_after, policy
+from ..trajectory.sim import SuiteArgs, created, finish_after, policy, registry
 from .test_interpreter import OpenAdmission
 
 S = TrajectoryState
@@ -67,11 +70,11 @@ class World:
     The tool service outlives the trajectory's incarnations (it is the world), and answers probes from
     what it applied."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool: str = "run_tests") -> None:
         self.log = BatchLog()
         self.unannounced: list[str] = []
         self.applied: dict[str, Any] = {}
-        self.script = finish_after(TOOL_TURNS)
+        self.script = finish_after(TOOL_TURNS, tool)
 
     async def complete(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
         record = fold(self.log.events(), policy())
@@ -184,6 +187,46 @@ async def test_a_result_held_behind_a_queued_admission_is_written_within_the_hol
         await asyncio.sleep(0)
     # Then the held result is on disk once the hold is over, though no intent followed it
     assert any(isinstance(e, ToolResultAccepted) for e in world.log.events())
+    admission.gate.set()
+    await interp.run()
+    assert interp.record.exit_reason is ExitReason.COMPLETED and world.unannounced == []
+    await interp.close()
+
+
+# A tool with a side effect that may not be sent twice (no approval, so the turn is as plain as run_tests').
+DEPLOY = ToolContract(
+    name="deploy",
+    description="Deploy a build (never repeated).",
+    arguments=SuiteArgs,
+    side_effect=SideEffect.IRREVERSIBLE,
+    repeat=RepeatContract.NEVER_REPEAT,
+    needs_approval=False,
+    dependency_scope="deployer",
+)
+
+
+@pytest.mark.parametrize(("tool", "held"), [("deploy", False), ("run_tests", True)])
+async def test_the_result_of_a_call_that_may_not_be_repeated_is_written_at_once(
+    tool: str, held: bool
+) -> None:
+    # Given a trajectory whose second turn queues at the scheduler, calling a never-repeat tool (control:
+    # the idempotent run_tests, whose result may wait for the next batch: recovery may send it again)
+    clock = FakeClock()
+    world = World(tool)
+    admission = QueuedAdmission()
+    ports = InterpreterPorts(model=world, tools=world, log=world.log, admission=admission, clock=clock)
+    reg = registry(DEPLOY)
+    interp = Interpreter(TID, policy(reg), ports, hold_s=0.05)
+    await interp.create(created(clock, tools=frozenset({"run_tests", "deploy"})))
+    for _ in range(200):
+        if admission.admitted == 2:
+            break
+        await asyncio.sleep(0)
+    # When the tool's outcome has been decided and the next request waits in the queue (the hold not over)
+    assert admission.admitted == 2
+    on_disk = any(isinstance(e, ToolResultAccepted) for e in world.log.events())
+    # Then a result only the world could tell again is already durable; a repeat-safe one may still wait
+    assert on_disk is not held
     admission.gate.set()
     await interp.run()
     assert interp.record.exit_reason is ExitReason.COMPLETED and world.unannounced == []
