@@ -126,6 +126,10 @@ class TrajectoryLaunch(_Frozen):
     # child: for a server that must be private to one trajectory, at the price that killing the actor
     # kills its calls).
     mcp_placement: Literal["host", "trajectory"] = "host"
+    # Where the model calls run: "node" (the node's model client actor holds the openai SDK and its
+    # connection pools, actors.model_client: a trajectory process never loads the SDK) or "trajectory" (the
+    # in-process adapter, actors.model_openai, in this trajectory's actor).
+    model_placement: Literal["node", "trajectory"] = "node"
     use_scheduler: bool = True  # admit through the named scheduler actor when one exists
     guard: GuardMode = "actor"  # breaker + bulkhead: one guard actor per scope, in process, or none
     retry: RetryLaunch = RetryLaunch()

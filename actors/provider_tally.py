@@ -1,6 +1,6 @@
 """What each trajectory's model adapter saw of its provider, counted in Redis for the run report.
 
-``RedisProviderTally`` is an ``actors.model_openai.CallObserver``: the adapter tells it how every call ended
+``RedisProviderTally`` is an ``actors.model_outcomes.CallObserver``: the adapter tells it how every call ended
 (HTTP status, outcome, the header that carried a retry hint, whether usage was estimated) and it adds that
 to the hash ``tether:provider:<trajectory id>`` (``HINCRBY``), off the call's path: observations are counted
 in memory and one writer task flushes them, so a burst of calls is one write and a slow Redis never holds
@@ -22,7 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from actors.model_openai import CallObserved
+from actors.model_outcomes import CallObserved
 from runtime.memstore import check_trajectory_id
 
 __all__ = [

@@ -56,7 +56,7 @@ from runtime.inputs import ControlReceived, ControlRefused
 from runtime.memstore import check_trajectory_id
 from runtime.metrics import Metrics
 from runtime.observe import HookChain, MetricsHooks
-from runtime.ports import AdmissionPort, GuardPort
+from runtime.ports import AdmissionPort, GuardPort, ModelPort
 from runtime.record import AuditKind, ControlAction, Lease, LeaseKind, TrajectoryRecord
 
 __all__ = [
@@ -345,6 +345,7 @@ class TrajectoryActor:
                 logs=self._adapters,
                 sandbox=sandbox,
                 timers=timers,
+                model=self._model(),
             )
             self._built.closers.append(timers.close)
             self._built.ports.leases = _SandboxLeases(sandbox)
@@ -388,6 +389,16 @@ class TrajectoryActor:
         except InputError as e:
             _log.warning("no sandbox for %s: %s", self.launch.trajectory_id, e)
             return None
+
+    def _model(self) -> ModelPort | None:
+        """The node's model client (None: ``model_placement: trajectory``, the in-process adapter)."""
+        if self.launch.model_placement != "node":
+            return None
+        from actors.model_client import ModelTarget, RayModelClient
+
+        provider = self.launch.provider
+        target = ModelTarget(provider.base_url, provider.api_key_env, tally_redis_url=self.launch.redis_url)
+        return RayModelClient(target, clock=self._clock)
 
     def _admission(self) -> AdmissionPort:
         from scheduler.actor import SCHEDULER_NAME, SCHEDULER_NAMESPACE, SchedulerHandle

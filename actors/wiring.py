@@ -18,18 +18,14 @@ import os
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from actors.contracts import testbed_contracts
 from actors.interpreter import InterpreterPorts, TimerPort
 from actors.launch import TrajectoryLaunch
-from actors.model_openai import OpenAIModel
 from actors.ports import ClosableLogStore
-from actors.provider_tally import RedisProviderTally
 from actors.sandbox import Sandbox
-from actors.tools_grpc import GrpcToolPort
 from actors.tools_local import LocalToolPort, builtin_tools
-from actors.tools_mcp.port import McpToolPort
 from runtime.clock import Clock
 from runtime.deadline import FinalizationReserve
 from runtime.dispatch import NoGuard
@@ -40,6 +36,7 @@ from runtime.ports import (
     AdmissionPort,
     GuardPermit,
     GuardPort,
+    ModelPort,
     OutcomeClass,
     ProbeResult,
     ToolInvocation,
@@ -49,6 +46,9 @@ from runtime.ports import (
 from runtime.record import CallLimits, CompletionCheck, Grants, TaskContract
 from runtime.retry import RetryPolicy
 from runtime.tools import SideEffect, ToolRegistry, UnknownTool
+
+if TYPE_CHECKING:
+    from actors.tools_mcp.port import McpToolPort
 
 __all__ = [
     "BuiltPorts",
@@ -246,11 +246,31 @@ def _mcp_port(launch: TrajectoryLaunch, clock: Clock) -> McpToolPort:
     session, and a stdio server's process, outlive this trajectory's actor (``mcp_placement: trajectory``:
     this actor holds its own sessions instead)."""
     from actors.tools_mcp.host import InProcessMcpHosts, McpHosts, RayMcpHosts
+    from actors.tools_mcp.port import McpToolPort
 
     servers = {route.server for route in launch.mcp_tools.values()}
     configs = {name: launch.mcp_servers[name] for name in sorted(servers)}
     hosts: McpHosts = RayMcpHosts(configs) if launch.mcp_placement == "host" else InProcessMcpHosts(configs)
     return McpToolPort(launch.mcp_tools, hosts, clock)
+
+
+def _openai_model(
+    launch: TrajectoryLaunch, clock: Clock, env: Mapping[str, str], closers: list[Closer]
+) -> ModelPort:
+    """The in-process OpenAI adapter (the ``openai`` SDK loaded into this process)."""
+    from actors.model_openai import OpenAIModel
+    from actors.provider_tally import RedisProviderTally
+
+    tally = RedisProviderTally.from_url(launch.redis_url)  # what this adapter saw, per status, for the report
+    closers.append(tally.aclose)
+    adapter = OpenAIModel(
+        base_url=launch.provider.base_url,
+        api_key=env.get(launch.provider.api_key_env) or "tether-unused",
+        clock=clock,
+        observer=tally,
+    )
+    closers.append(adapter.aclose)
+    return adapter
 
 
 class LogStoreFactory(Protocol):
@@ -269,27 +289,25 @@ def build_ports(
     env: Mapping[str, str] | None = None,
     sandbox: Sandbox | None = None,
     timers: TimerPort | None = None,
+    model: ModelPort | None = None,
 ) -> BuiltPorts:
     """Log store, model and tools for ``launch``; admission, guard and the timer store are chosen by the
     caller (the actor knows whether a scheduler actor exists and whether it runs inside Ray), the log store
     comes from ``logs`` (the cluster layer, injected); ``sandbox`` is the trajectory's process sandbox, where
-    ``run_command`` runs."""
+    ``run_command`` runs; ``model`` replaces the in-process OpenAI adapter (the trajectory actor passes the
+    node's model client, ``actors.model_client.RayModelClient``, unless the launch says
+    ``model_placement: trajectory``)."""
     env = os.environ if env is None else env
     closers: list[Closer] = []
     log = logs.open_log(launch.redis_url)
     closers.append(log.close)
-    tally = RedisProviderTally.from_url(launch.redis_url)  # what this adapter saw, per status, for the report
-    closers.append(tally.aclose)
-    model = OpenAIModel(
-        base_url=launch.provider.base_url,
-        api_key=env.get(launch.provider.api_key_env) or "tether-unused",
-        clock=clock,
-        observer=tally,
-    )
-    closers.append(model.aclose)
+    if model is None:
+        model = _openai_model(launch, clock, env, closers)
     routes: dict[str, ToolPort] = {}
     local: LocalToolPort | None = None
     if launch.tool_routes:
+        from actors.tools_grpc import GrpcToolPort  # grpc is loaded only by trajectories that route to it
+
         grpc_port = GrpcToolPort(launch.tool_routes, clock=clock)
         closers.append(grpc_port.close)
         routes.update(dict.fromkeys(launch.tool_routes, grpc_port))

@@ -7,9 +7,14 @@
    own logic with no Ray at all (``InProcessScheduler``, the same loops in one process): what the
    algorithm could do if calls were free. Runs are interleaved (floor, scheduler, floor, ...).
 2. **Memory per actor.** RSS, USS (private pages) and PSS from ``/proc/<pid>/smaps_rollup`` of: a bare Ray
-   actor; a probe actor importing the trajectory actor's dependencies one by one (where the memory goes);
-   and ``N`` live, *running* trajectory actors (``actors.trajectory``, the built-in ``sleep`` tool every
-   turn, a real Redis log and the testbed provider).
+   actor; a probe actor importing the trajectory actor's dependencies one by one (where the memory goes),
+   then the modules a trajectory no longer loads (issue 14: the ``openai`` SDK lives in the node's model
+   client actor, ``actors.model_client``; gRPC only when a tool routes to it; Ed25519 on the first control
+   message), so their cost stays visible; ``N`` live, *running* trajectory actors (``actors.trajectory``,
+   the built-in ``sleep`` tool every turn, a real Redis log and the testbed provider), and the node's
+   model client actor they share (one per node, its cost amortised over every trajectory on the node).
+   Also the extra hop's price: the same short model call, from one actor, through the in-process adapter
+   and through the node's model client (alternating, sequential calls).
 3. **Largest number of live trajectories.** Not probed to exhaustion (others share this machine, so it is
    capped at ``N`` and extrapolated, and says so): one more live trajectory costs the node about its PSS
    (its private pages plus its share of the shared ones; with many actors PSS tends to USS), so
@@ -20,9 +25,10 @@
    launch and a ``status`` call (the record folded from the log, the actor answering) for all ``H`` at
    once; the woken actors are then stopped and the wake repeated.
 
-    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3]
+    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3] [--only memory] [--live N]
 
-Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG.
+Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG;
+``--only memory`` measures part 2 alone and writes ``node_capacity.memory.json`` (never the headline).
 """
 
 from __future__ import annotations
@@ -61,17 +67,22 @@ IMPORT_LADDER = (
     "msgpack",
     "redis.asyncio",
     "yaml",
-    "grpc",
-    "openai",
-    "cryptography.hazmat.primitives.asymmetric.ed25519",
     "runtime.decider",
     "actors.interpreter",
     "scheduler.actor",
     "breakers",
-    "actors.model_openai",
-    "actors.tools_grpc",
+    "actors.model_client",
     "cluster.adapters",
     "actors.trajectory",
+)
+# What a trajectory actor does not load (issue 14), imported after it: each delta is what it would cost.
+NOT_IN_TRAJECTORY = (
+    "grpc",
+    "actors.tools_grpc",
+    "cryptography.hazmat.primitives.asymmetric.ed25519",
+    "cluster.signing",
+    "openai",
+    "actors.model_openai",
 )
 RESERVE_MB = 2_048  # left to the system when extrapolating the largest number of live trajectories
 
@@ -242,8 +253,9 @@ def scheduler_throughput(s: Settings) -> dict[str, Any]:
 def import_ladder() -> list[dict[str, Any]]:
     probe = ImportProbe.remote()  # type: ignore[attr-defined]
     rows: list[dict[str, Any]] = [{"module": "(bare actor)", **ray.get(probe.memory.remote())}]
-    for module in IMPORT_LADDER:
-        rows.append({"module": module, **ray.get(probe.load.remote(module))})
+    for module in (*IMPORT_LADDER, *NOT_IN_TRAJECTORY):
+        row = {"module": module, **ray.get(probe.load.remote(module))}
+        rows.append({**row, "loaded_by_trajectory": module in IMPORT_LADDER})
     ray.kill(probe)
     previous = rows[0]
     for row in rows[1:]:
@@ -331,6 +343,7 @@ async def live_trajectories(fleet: Fleet, n: int) -> dict[str, Any]:
         await fleet.wait(batch, lambda st: st.turns >= 3, "three turns")
     await asyncio.sleep(2.0)
     per_actor = [memory_of(actor_pid(tid)) for tid in tids]
+    clients = model_clients()
     available_after = mem_available_mb()
     marginal = (available_before - available_after) / n
     return {
@@ -338,6 +351,67 @@ async def live_trajectories(fleet: Fleet, n: int) -> dict[str, Any]:
         "per_actor": per_actor,
         "available": (available_before, available_after),
         "marginal_mb": marginal,
+        "model_clients": clients,
+    }
+
+
+def model_clients() -> list[dict[str, float]]:
+    """The memory of every node's model client actor (shared by the node's trajectories)."""
+    from actors.model_client import NAMESPACE as CLIENT_NAMESPACE
+
+    found: list[dict[str, float]] = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == CLIENT_NAMESPACE and entry["name"].startswith("model-client:"):
+            actor = ray.get_actor(entry["name"], namespace=CLIENT_NAMESPACE)
+            pid: Any = ray.get(actor.pid.remote())
+            found.append(memory_of(int(pid)))
+    return found
+
+
+@ray.remote(num_cpus=0)
+class HopProbe:
+    """Times the same model call through the in-process adapter and through the node's model client."""
+
+    async def run(self, base_url: str, calls: int) -> dict[str, list[float]]:
+        from actors.model_client import ModelTarget, RayModelClient
+        from actors.model_openai import OpenAIModel
+        from runtime.ports import CancelToken, ModelRequest
+
+        local = OpenAIModel(base_url=base_url)
+        hop = RayModelClient(ModelTarget(base_url))
+        times: dict[str, list[float]] = {"in_process": [], "node_client": []}
+        for i in range(calls + 5):  # the first 5 of each warm the connection pools and the actor
+            for name, model in (("in_process", local), ("node_client", hop)):
+                request = ModelRequest(
+                    trajectory_id="hop",
+                    model="sim",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=16,
+                    deadline=time.time() + 60,
+                    metadata={"scenario": "finish_after:0"},
+                )
+                started = time.perf_counter()
+                await model.complete(request, CancelToken())
+                if i >= 5:
+                    times[name].append((time.perf_counter() - started) * 1000)
+        await local.aclose()
+        return times
+
+
+def model_hop(provider_url: str, calls: int) -> dict[str, Any]:
+    """Per-call latency of the in-process adapter and of the node's model client, from one actor."""
+    probe = HopProbe.remote()  # type: ignore[attr-defined]
+    times = ray.get(probe.run.remote(provider_url, calls))
+    ray.kill(probe)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "calls": calls,
+        "in_process_ms": spread(times["in_process"], 2),
+        "node_client_ms": spread(times["node_client"], 2),
+        "hop_cost_ms_median": round(med["node_client"] - med["in_process"], 2),
+        "what": "one short streamed reply (finish_after:0, 16 max tokens) from the testbed provider, "
+        "called sequentially from one actor, alternating the two paths; the hop is one actor call per "
+        "model call (the stream is consumed in the client actor)",
     }
 
 
@@ -397,7 +471,7 @@ async def hibernation(fleet: Fleet, h: int, rounds: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- run
 
 
-async def services_part(s: Settings, workdir: Path) -> dict[str, Any]:
+async def services_part(s: Settings, workdir: Path, memory_only: bool = False) -> dict[str, Any]:
     from actors.relay import start_relays, stop_relays
     from cluster.redis_server import RedisServer
     from cluster.signing import Role, create_key
@@ -415,24 +489,31 @@ async def services_part(s: Settings, workdir: Path) -> dict[str, Any]:
         live = await live_trajectories(fleet, s.live)
         stop_trajectories(live["tids"])
         await asyncio.sleep(3.0)
-        progress(f"hibernating {s.hibernated} trajectories")
-        hib = await hibernation(fleet, s.hibernated, s.runs)
+        progress("model-call hop")
+        hop = model_hop(provider.base_url, 50 if s.quick else 200)
+        hib: dict[str, Any] | None = None
+        if not memory_only:
+            progress(f"hibernating {s.hibernated} trajectories")
+            hib = await hibernation(fleet, s.hibernated, s.runs)
     finally:
         stop_relays(relays)
         await fleet.close()
         provider.stop()
         server.stop()
-    return {"live": live, "hibernated": hib}
+    return {"live": live, "hibernated": hib, "hop": hop}
 
 
-def run(s: Settings) -> dict[str, Any]:
+def run(s: Settings, memory_only: bool = False) -> dict[str, Any]:
+    """Every part (``memory_only``: part 2 and the model hop alone, no scheduler and no hibernation)."""
     from cluster.runner import start_local_ray
 
     before = calibration()
     start_local_ray(num_cpus=2)
     try:
-        progress("scheduler throughput")
-        sched = scheduler_throughput(s)
+        sched: dict[str, Any] | None = None
+        if not memory_only:
+            progress("scheduler throughput")
+            sched = scheduler_throughput(s)
         progress("import ladder")
         ladder = import_ladder()
         bares = [Bare.remote() for _ in range(max(MIN_RUNS, s.runs))]  # type: ignore[attr-defined]
@@ -440,31 +521,42 @@ def run(s: Settings) -> dict[str, Any]:
         for b in bares:
             ray.kill(b)
         with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
-            part = asyncio.run(services_part(s, Path(tmp)))
+            part = asyncio.run(services_part(s, Path(tmp), memory_only))
     finally:
         ray.shutdown()
     live, hib = part["live"], part["hibernated"]
     per_actor = live["per_actor"]
+    clients = live["model_clients"]
     pss = statistics.median(m["pss"] for m in per_actor)
     available_at_start = live["available"][0]
     max_live = int((available_at_start - RESERVE_MB) / pss)
-    return {
-        "runs": s.runs,
-        "scheduler": sched,
+    memory = {
         "actor_memory_mb": {
             "trajectory_rss": spread([m["rss"] for m in per_actor], 1),
             "trajectory_uss": spread([m["uss"] for m in per_actor], 1),
             "trajectory_pss": spread([m["pss"] for m in per_actor], 1),
             "bare_rss": spread([m["rss"] for m in bare_mem], 1),
             "bare_uss": spread([m["uss"] for m in bare_mem], 1),
+            "model_client_rss": spread([m["rss"] for m in clients], 1) if clients else None,
+            "model_client_uss": spread([m["uss"] for m in clients], 1) if clients else None,
+            "model_clients": len(clients),
             "import_ladder": ladder,
             "what": (
                 "trajectory_*: running trajectory actors (sleep tool every turn, >= 3 turns done), one "
-                "value per actor; bare_*: an async Ray actor with no imports of ours; import_ladder: one "
-                "probe actor importing the trajectory actor's dependencies in order (cumulative, delta = "
-                "that import)"
+                "value per actor; bare_*: an async Ray actor with no imports of ours; model_client_*: the "
+                "node's model client actor the trajectories share (one per node); import_ladder: one "
+                "probe actor importing the trajectory actor's dependencies in order, then what a "
+                "trajectory does not load (loaded_by_trajectory false; cumulative, delta = that import)"
             ),
         },
+        "model_hop": part["hop"],
+    }
+    if memory_only:
+        return {"runs": s.runs, "only": "memory", **memory, **provenance(s.__dict__, before)}
+    return {
+        "runs": s.runs,
+        "scheduler": sched,
+        **memory,
         "max_live_trajectories": max_live,
         "max_live_estimate": {
             "extrapolated": True,
@@ -528,16 +620,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small and short, to check the benchmark works")
     parser.add_argument("--runs", type=int, default=None, help=f"repetitions (at least {MIN_RUNS})")
+    parser.add_argument(
+        "--only", choices=["memory"], default=None, help="memory: part 2 alone (node_capacity.memory.json)"
+    )
+    parser.add_argument("--live", type=int, default=None, help="live trajectory actors probed for memory")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     if args.runs is not None:
         settings = Settings(**{**settings.__dict__, "runs": max(MIN_RUNS, args.runs)})
-    result = run(settings)
+    if args.live is not None:
+        settings = Settings(**{**settings.__dict__, "live": max(1, args.live)})
+    result = run(settings, memory_only=args.only == "memory")
     out = result_path(NAME, settings.quick)
+    if args.only is not None:
+        out = out.with_name(f"{NAME}.{args.only}.json")
     write_json(out.stem, result, out.parent)
-    plot(result, out.with_suffix(".png"))
+    if args.only is None:
+        plot(result, out.with_suffix(".png"))
     print(out)
-    print({k: result[k] for k in ("scheduler", "max_live_trajectories")})
+    mem = result["actor_memory_mb"]
+    print({k: mem[k] for k in ("trajectory_rss", "trajectory_uss", "bare_rss", "bare_uss")})
+    print(result["model_hop"])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
@@ -33,10 +33,13 @@ from cluster.control import encode_message as encode_control
 from cluster.control_leases import PartitionLeases
 from cluster.embedded import redis_errors
 from cluster.log_store import RedisLogStore
-from cluster.signing import Keyring, Verifier
-from cluster.signing import keyring_path as default_keyring_path
 from cluster.supervision_store import RedisSupervisionStore
 from cluster.timers import RedisTimerStore
+
+if TYPE_CHECKING:
+    # cryptography's Ed25519 (about 7 MB of every trajectory process) is loaded on the first control
+    # message a process verifies, not when the actor's constructor arguments are unpickled
+    from cluster.signing import Verifier
 
 __all__ = [
     "ClusterAdapters",
@@ -92,6 +95,8 @@ class KeyringVerifier:
         except FileNotFoundError:
             stamp = None
         if self._verifier is None or stamp != self._stamp:
+            from cluster.signing import Keyring, Verifier
+
             self._verifier = Verifier(Keyring.load(self.path))
             self._stamp = stamp
             self.loads += 1
@@ -249,6 +254,8 @@ class ClusterAdapters:
         return LiveEvents(ControlStream.from_url(redis_url, socket_timeout=self.socket_timeout_s))
 
     def control_verifier(self, keyring_path: str | None) -> KeyringVerifier:
+        from cluster.signing import keyring_path as default_keyring_path
+
         return KeyringVerifier(Path(keyring_path) if keyring_path else default_keyring_path())
 
     def relay_stream(self, redis_url: str) -> RelayControlStream:

@@ -1,4 +1,6 @@
-"""The OpenAI adapter (``actors.model_openai.OpenAIModel``) against the simulated provider."""
+"""The OpenAI adapter against the simulated provider: in process (``actors.model_openai.OpenAIModel``) and
+one actor call away in the node's model client (``actors.model_client.RayModelClient``); every test that
+takes the ``model`` fixture runs against both."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 
+from actors.model_client import ModelTarget, RayModelClient, node_client
 from actors.model_openai import ModelCallFailed, ModelRateLimited, OpenAIModel, estimate_prompt_tokens
 from cluster.redis_server import free_port
 from runtime.clock import FakeClock, SystemClock
@@ -63,8 +66,15 @@ async def server() -> AsyncIterator[ProviderServer]:
         yield s
 
 
-@pytest.fixture
-async def model(server: ProviderServer) -> AsyncIterator[OpenAIModel]:
+Model = OpenAIModel | RayModelClient
+
+
+@pytest.fixture(params=["in_process", "node_client"])
+async def model(request: pytest.FixtureRequest, server: ProviderServer) -> AsyncIterator[Model]:
+    if request.param == "node_client":
+        request.getfixturevalue("ray_local")
+        yield RayModelClient(ModelTarget(server.base_url), actor=node_client())
+        return
     adapter = OpenAIModel(base_url=server.base_url)
     yield adapter
     await adapter.aclose()
@@ -81,6 +91,7 @@ async def wait_for(predicate: Any, what: str, attempts: int = 500) -> None:
 
 def test_adapter_is_a_model_port() -> None:
     assert isinstance(OpenAIModel(base_url="http://127.0.0.1:9/v1"), ModelPort)
+    assert isinstance(RayModelClient(ModelTarget("http://127.0.0.1:9/v1"), actor=object()), ModelPort)
 
 
 def test_an_injected_client_with_sdk_retries_is_refused() -> None:
@@ -99,15 +110,13 @@ def test_an_injected_client_with_sdk_retries_is_refused() -> None:
     ],
 )
 async def test_finish_reasons_map_to_stop_reasons(
-    model: OpenAIModel, scenario: str, max_tokens: int, stop: StopReason
+    model: Model, scenario: str, max_tokens: int, stop: StopReason
 ) -> None:
     reply = await model.complete(request(scenario, max_tokens=max_tokens), CancelToken())
     assert reply.stop_reason is stop
 
 
-async def test_usage_comes_from_the_provider_with_cached_input(
-    model: OpenAIModel, server: ProviderServer
-) -> None:
+async def test_usage_comes_from_the_provider_with_cached_input(model: Model, server: ProviderServer) -> None:
     # Given a first call and a follow-up that extends the same conversation
     first = await model.complete(request("finish_after:1"), CancelToken())
     (call,) = first.tool_calls
@@ -141,9 +150,7 @@ async def test_usage_comes_from_the_provider_with_cached_input(
     )
 
 
-async def test_rate_limit_remaining_is_reported_on_success(
-    model: OpenAIModel, server: ProviderServer
-) -> None:
+async def test_rate_limit_remaining_is_reported_on_success(model: Model, server: ProviderServer) -> None:
     reply = await model.complete(request("finish_after:0"), CancelToken())
     assert reply.rate_limit is not None
     assert reply.rate_limit.remaining_requests == 999
@@ -151,9 +158,7 @@ async def test_rate_limit_remaining_is_reported_on_success(
 
 
 @pytest.mark.parametrize("scenario", ["malformed_json", "truncate"])
-async def test_broken_arguments_are_passed_through_raw_and_untouched(
-    model: OpenAIModel, scenario: str
-) -> None:
+async def test_broken_arguments_are_passed_through_raw_and_untouched(model: Model, scenario: str) -> None:
     # Given what the scripted model emits for this conversation
     req = request(scenario)
     emitted = render(
@@ -172,7 +177,7 @@ async def test_broken_arguments_are_passed_through_raw_and_untouched(
         json.loads(proposal.raw_arguments)
 
 
-async def test_parallel_calls_become_separate_proposals(model: OpenAIModel) -> None:
+async def test_parallel_calls_become_separate_proposals(model: Model) -> None:
     reply = await model.complete(request("parallel:3"), CancelToken())
     assert reply.stop_reason is StopReason.TOOL_USE
     assert len({c.call_id for c in reply.tool_calls}) == 3
@@ -207,7 +212,7 @@ async def test_cancel_mid_stream_raises_with_the_emitted_chunks_billed(server: P
     assert 5 <= ledger["completion_tokens"] < 300
 
 
-async def test_cancel_before_the_first_token(server: ProviderServer, model: OpenAIModel) -> None:
+async def test_cancel_before_the_first_token(server: ProviderServer, model: Model) -> None:
     # Given a provider that takes a minute to the first token
     server.configure(ConfigPatch(ttft_ms=60_000))
     token = CancelToken()
@@ -232,7 +237,7 @@ async def test_cancel_before_the_first_token(server: ProviderServer, model: Open
     }
 
 
-async def test_already_cancelled_token_makes_no_call(model: OpenAIModel, server: ProviderServer) -> None:
+async def test_already_cancelled_token_makes_no_call(model: Model, server: ProviderServer) -> None:
     token = CancelToken()
     token.cancel("paused")
     with pytest.raises(ModelCallCancelled):
@@ -259,14 +264,14 @@ async def test_deadline_on_the_injected_clock_aborts_as_a_retryable_dependency_e
     await wait_for(lambda: server.stats()["aborted"] == 1, "the provider noticed the abort")
 
 
-async def test_a_deadline_already_passed_makes_no_call(model: OpenAIModel, server: ProviderServer) -> None:
+async def test_a_deadline_already_passed_makes_no_call(model: Model, server: ProviderServer) -> None:
     with pytest.raises(ModelCallFailed, match="deadline passed"):
         await model.complete(request("finish_after:0", deadline=SystemClock().wall() - 1), CancelToken())
     assert server.stats()["requests"] == 0
 
 
 async def test_429_becomes_provider_rate_limited_with_retry_after_and_remaining(
-    model: OpenAIModel, server: ProviderServer
+    model: Model, server: ProviderServer
 ) -> None:
     server.configure(ConfigPatch(rpm=1))
     await model.complete(request("finish_after:0"), CancelToken())
@@ -281,7 +286,7 @@ async def test_429_becomes_provider_rate_limited_with_retry_after_and_remaining(
 
 @pytest.mark.parametrize(("status", "non_retryable"), [(500, False), (503, False)])
 async def test_server_errors_are_retryable(
-    model: OpenAIModel, server: ProviderServer, status: int, non_retryable: bool
+    model: Model, server: ProviderServer, status: int, non_retryable: bool
 ) -> None:
     server.configure(ConfigPatch(fault=Fault(status=status, count=1)))  # type: ignore[arg-type]
     with pytest.raises(ModelCallFailed) as info:
@@ -289,7 +294,7 @@ async def test_server_errors_are_retryable(
     assert (info.value.status, info.value.non_retryable) == (status, non_retryable)
 
 
-async def test_other_4xx_is_not_retryable(model: OpenAIModel) -> None:
+async def test_other_4xx_is_not_retryable(model: Model) -> None:
     with pytest.raises(ModelCallFailed) as info:
         await model.complete(request("no_such_scenario"), CancelToken())
     assert info.value.status == 400 and info.value.non_retryable
@@ -302,3 +307,87 @@ async def test_connection_refused_is_retryable() -> None:
         await model.complete(request("finish_after:0"), CancelToken())
     await model.aclose()
     assert not info.value.non_retryable and info.value.status is None
+
+
+# --------------------------------------------------------------------------- the node's model client
+
+
+@pytest.fixture
+def client(ray_local: None) -> Any:
+    return node_client()
+
+
+async def test_node_client_cancel_mid_stream_bills_what_streamed_and_aborts_the_provider(
+    server: ProviderServer, client: Any
+) -> None:
+    # Given a slow 300-token reply streaming through the node's model client
+    server.configure(ConfigPatch(tokens_per_s=100))
+    model = RayModelClient(ModelTarget(server.base_url), actor=client)
+    token = CancelToken()
+    req = request("slow:300", trajectory="hop-cancelled")
+    before = await client.chunks_received.remote()
+    call = asyncio.create_task(model.complete(req, token))
+    for _ in range(500):  # bounded poll: until 5 chunks reached the client
+        if await client.chunks_received.remote() >= before + 5:
+            break
+        await asyncio.sleep(0.01)
+    # When the trajectory cancels
+    token.cancel("operator pause")
+    # Then the call ends cancelled, billing the prompt estimate and the chunks the client received
+    with pytest.raises(ModelCallCancelled) as info:
+        await call
+    assert info.value.reason == "operator pause"
+    assert 5 <= info.value.usage.output < 300
+    assert info.value.usage.uncached_input == estimate_prompt_tokens(req)
+    # And the provider saw the stream aborted, far short of 300 tokens
+    await wait_for(lambda: server.stats()["in_flight"] == 0, "the provider noticed the abort")
+    ledger = server.stats()["trajectories"]["hop-cancelled"]
+    assert ledger["aborted"] == 1 and ledger["completion_tokens"] < 300
+    assert await client.in_flight.remote() == 0
+
+
+async def test_node_client_stops_the_stream_when_the_callers_await_is_cancelled(
+    server: ProviderServer, client: Any
+) -> None:
+    # Given a call waiting a minute for its first token in the node's model client
+    server.configure(ConfigPatch(ttft_ms=60_000))
+    model = RayModelClient(ModelTarget(server.base_url), actor=client)
+    call = asyncio.create_task(model.complete(request("slow:10", trajectory="hop-dropped"), CancelToken()))
+    await wait_for(lambda: server.stats()["in_flight"] == 1, "the request reached the provider")
+    # When the coroutine awaiting it is cancelled (the trajectory actor closing, recovery)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # Then the client closes the provider's stream too, and holds no call any more
+    await wait_for(lambda: server.stats()["in_flight"] == 0, "the provider noticed the abort")
+    assert server.stats()["trajectories"]["hop-dropped"]["aborted"] == 1
+    assert await client.in_flight.remote() == 0
+
+
+async def test_node_client_connection_refused_is_retryable(client: Any) -> None:
+    model = RayModelClient(ModelTarget(f"http://127.0.0.1:{free_port()}/v1"), actor=client)
+    with pytest.raises(ModelCallFailed) as info:
+        await model.complete(request("finish_after:0"), CancelToken())
+    assert not info.value.non_retryable and info.value.status is None
+
+
+async def test_node_client_that_died_mid_call_is_a_retryable_failure(
+    server: ProviderServer, ray_local: None
+) -> None:
+    # Given a call in flight in a model client actor
+    server.configure(ConfigPatch(ttft_ms=60_000))
+    import ray
+
+    from actors.model_client import ModelClientActor
+
+    actor_class: Any = ModelClientActor
+    actor = actor_class.options(max_restarts=0).remote()
+    model = RayModelClient(ModelTarget(server.base_url), actor=actor)
+    call = asyncio.create_task(model.complete(request("slow:10", trajectory="hop-died"), CancelToken()))
+    await wait_for(lambda: server.stats()["in_flight"] == 1, "the request reached the provider")
+    # When the client actor dies
+    ray.kill(actor)
+    # Then the caller gets a retryable dependency failure naming the client, never a foreign exception
+    with pytest.raises(ModelCallFailed) as info:
+        await call
+    assert "model client" in str(info.value) and not info.value.non_retryable

@@ -4,11 +4,13 @@ Whatever the server does (a stream line that is not JSON, a chunk of the wrong s
 an error event, an HTML 502 from a gateway, no usage report, odd rate-limit headers), ``complete`` raises
 only ``runtime.errors`` types whose message says what failed and where, carries the usage it saw, and keeps
 what the headers said. The control tests drive the bare ``openai`` SDK against the same server and show the
-raw exceptions the adapter converts.
+raw exceptions the adapter converts. Every test that takes the ``model`` fixture runs against the adapter in
+process and one actor call away in the node's model client (``actors.model_client.RayModelClient``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import email.utils
 import json
@@ -23,6 +25,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from actors.model_client import ModelTarget, RayModelClient, node_client
 from actors.model_openai import CallObserved, ModelCallFailed, OpenAIModel, estimate_prompt_tokens
 from actors.provider_tally import RedisProviderTally, read_provider_tallies
 from cluster.redis_server import free_port
@@ -156,8 +159,22 @@ async def recorder() -> Recorder:
     return Recorder()
 
 
+Model = OpenAIModel | RayModelClient
+
+
 @pytest.fixture
-async def model(base_url: str, recorder: Recorder) -> AsyncIterator[OpenAIModel]:
+async def local_model(base_url: str, recorder: Recorder) -> AsyncIterator[OpenAIModel]:
+    adapter = OpenAIModel(base_url=base_url, scope="misbehaving", observer=recorder)
+    yield adapter
+    await adapter.aclose()
+
+
+@pytest.fixture(params=["in_process", "node_client"])
+async def model(request: pytest.FixtureRequest, base_url: str, recorder: Recorder) -> AsyncIterator[Model]:
+    if request.param == "node_client":
+        request.getfixturevalue("ray_local")
+        yield RayModelClient(ModelTarget(base_url, scope="misbehaving"), actor=node_client())
+        return
     adapter = OpenAIModel(base_url=base_url, scope="misbehaving", observer=recorder)
     yield adapter
     await adapter.aclose()
@@ -173,7 +190,7 @@ def request(model: str) -> ModelRequest:
     )
 
 
-async def failure(model: OpenAIModel, name: str) -> ModelCallFailed:
+async def failure(model: Model, name: str) -> ModelCallFailed:
     with pytest.raises(DependencyError) as info:
         await model.complete(request(name), CancelToken())
     assert isinstance(info.value, ModelCallFailed)
@@ -183,7 +200,7 @@ async def failure(model: OpenAIModel, name: str) -> ModelCallFailed:
 # --------------------------------------------------------------------------- replies
 
 
-async def test_a_good_stream_carries_the_providers_usage_and_its_limits(model: OpenAIModel) -> None:
+async def test_a_good_stream_carries_the_providers_usage_and_its_limits(model: Model) -> None:
     reply = await model.complete(request("ok"), CancelToken())
     assert (reply.stop_reason, reply.text) == (StopReason.END_TURN, "Hello")
     assert reply.usage == Usage(uncached_input=11, output=3) and not reply.usage_estimated
@@ -194,23 +211,23 @@ async def test_a_good_stream_carries_the_providers_usage_and_its_limits(model: O
 
 
 async def test_a_provider_that_sends_no_usage_is_metered_from_the_estimate_and_flagged(
-    model: OpenAIModel,
+    model: Model,
 ) -> None:
     reply = await model.complete(request("no_usage"), CancelToken())
     assert reply.usage_estimated
     assert reply.usage == Usage(uncached_input=estimate_prompt_tokens(request("no_usage")), output=2)
 
 
-async def test_an_empty_reply_without_usage_is_still_never_metered_as_zero(model: OpenAIModel) -> None:
+async def test_an_empty_reply_without_usage_is_still_never_metered_as_zero(model: Model) -> None:
     reply = await model.complete(request("empty_no_usage"), CancelToken())
     assert reply.usage_estimated and reply.usage.total > 0
 
 
 async def test_odd_header_values_are_ignored_and_named_and_the_reply_is_kept(
-    model: OpenAIModel, caplog: pytest.LogCaptureFixture
+    local_model: OpenAIModel, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="actors.model_openai"):
-        reply = await model.complete(request("odd_headers"), CancelToken())
+        reply = await local_model.complete(request("odd_headers"), CancelToken())
     assert reply.text == "ok" and reply.usage.total == 14
     assert reply.rate_limit is not None
     assert (reply.rate_limit.limit_requests, reply.rate_limit.remaining_requests) == (50, None)
@@ -221,7 +238,7 @@ async def test_odd_header_values_are_ignored_and_named_and_the_reply_is_kept(
 
 
 async def test_a_malformed_sse_line_is_a_failed_call_naming_the_line_and_billing_what_streamed(
-    model: OpenAIModel,
+    model: Model,
 ) -> None:
     error = await failure(model, "malformed")
     text = str(error)
@@ -232,28 +249,28 @@ async def test_a_malformed_sse_line_is_a_failed_call_naming_the_line_and_billing
     assert error.usage_estimated
 
 
-async def test_a_chunk_of_the_wrong_shape_is_a_failed_call(model: OpenAIModel) -> None:
+async def test_a_chunk_of_the_wrong_shape_is_a_failed_call(model: Model) -> None:
     error = await failure(model, "wrong_shape")
     assert "at chunk 2" in str(error) and error.usage.output == 1
 
 
-async def test_a_reset_mid_stream_is_a_failed_call_billing_the_chunks_before_it(model: OpenAIModel) -> None:
+async def test_a_reset_mid_stream_is_a_failed_call_billing_the_chunks_before_it(model: Model) -> None:
     error = await failure(model, "reset")
     assert "HTTP 200 stream" in str(error) and not error.non_retryable
     assert error.usage == Usage(uncached_input=estimate_prompt_tokens(request("reset")), output=3)
 
 
-async def test_a_reset_after_the_usage_report_bills_the_report_exactly(model: OpenAIModel) -> None:
+async def test_a_reset_after_the_usage_report_bills_the_report_exactly(model: Model) -> None:
     error = await failure(model, "reset_after_usage")
     assert error.usage == Usage(uncached_input=11, output=3) and not error.usage_estimated
 
 
-async def test_a_stream_that_ends_without_a_finish_reason_is_a_failed_call(model: OpenAIModel) -> None:
+async def test_a_stream_that_ends_without_a_finish_reason_is_a_failed_call(model: Model) -> None:
     error = await failure(model, "eof_early")
     assert "without a finish reason after 2 chunks" in str(error) and error.usage.output == 2
 
 
-async def test_an_error_event_mid_stream_is_a_failed_call(model: OpenAIModel) -> None:
+async def test_an_error_event_mid_stream_is_a_failed_call(model: Model) -> None:
     error = await failure(model, "error_event")
     assert "upstream exploded" in str(error) and error.usage.output == 1
 
@@ -261,7 +278,7 @@ async def test_an_error_event_mid_stream_is_a_failed_call(model: OpenAIModel) ->
 # --------------------------------------------------------------------------- status answers
 
 
-async def test_litellms_429_is_rate_limited_with_its_retry_hint(model: OpenAIModel) -> None:
+async def test_litellms_429_is_rate_limited_with_its_retry_hint(model: Model) -> None:
     with pytest.raises(ProviderRateLimited) as info:
         await model.complete(request("litellm_429"), CancelToken())
     limit = info.value.rate_limit
@@ -272,29 +289,29 @@ async def test_litellms_429_is_rate_limited_with_its_retry_hint(model: OpenAIMod
     )
 
 
-async def test_a_retry_after_http_date_is_read_as_seconds_from_now(model: OpenAIModel) -> None:
+async def test_a_retry_after_http_date_is_read_as_seconds_from_now(model: Model) -> None:
     with pytest.raises(ProviderRateLimited) as info:
         await model.complete(request("date_429"), CancelToken())
     assert info.value.retry_after is not None and 25 < info.value.retry_after <= 31
 
 
-async def test_a_gateways_html_502_is_a_retryable_failure_naming_the_status(model: OpenAIModel) -> None:
+async def test_a_gateways_html_502_is_a_retryable_failure_naming_the_status(model: Model) -> None:
     error = await failure(model, "html_502")
     assert "HTTP 502" in str(error) and error.status == 502 and not error.non_retryable
     assert error.usage == Usage()  # no reply began: nothing is known to be billed
 
 
-async def test_a_plain_4xx_is_not_retryable(model: OpenAIModel) -> None:
+async def test_a_plain_4xx_is_not_retryable(model: Model) -> None:
     error = await failure(model, "bad_request")
     assert error.status == 400 and error.non_retryable and "bad max_tokens" in str(error)
 
 
 async def test_the_observer_sees_every_call_with_its_status_and_outcome(
-    model: OpenAIModel, recorder: Recorder
+    local_model: OpenAIModel, recorder: Recorder
 ) -> None:
     for name in ("ok", "no_usage", "reset", "litellm_429", "html_502"):
         with contextlib.suppress(DependencyError):
-            await model.complete(request(name), CancelToken())
+            await local_model.complete(request(name), CancelToken())
     assert [(c.status, c.outcome, c.hint_source, c.usage_estimated) for c in recorder.calls] == [
         (200, "reply", None, False),
         (200, "reply", None, True),
@@ -353,3 +370,34 @@ async def test_the_redis_tally_sums_what_every_trajectorys_adapter_saw(base_url:
             "usage_estimated": 1,
         }
     }
+
+
+async def test_the_node_clients_tally_sums_what_it_saw_per_trajectory(
+    base_url: str, redis_url: str, ray_local: None
+) -> None:
+    # Given two trajectories' calls carried out by the node's model client, counted in Redis
+    target = ModelTarget(base_url, scope="gateway", tally_redis_url=redis_url)
+    model = RayModelClient(target, actor=node_client())
+    # When they make calls that end every way
+    for trajectory, name in [("a", "ok"), ("a", "litellm_429"), ("b", "no_usage"), ("b", "html_502")]:
+        with contextlib.suppress(DependencyError):
+            await model.complete(replace(request(name), trajectory_id=trajectory), CancelToken())
+    # Then the report's reader sums them per provider, as for the in-process adapter
+    client = aioredis.Redis.from_url(redis_url)
+    expected = {
+        "gateway": {
+            "requests": 4,
+            "responses": {"200": 2, "429": 1, "502": 1},
+            "outcomes": {"reply": 2, "rate_limited": 1, "failed": 1},
+            "retry_hints": {"llm_provider-retry-after": 1},
+            "usage_estimated": 1,
+        }
+    }
+    seen: Any = None
+    for _ in range(500):  # the tally is flushed off the call's path: bounded poll
+        seen = await read_provider_tallies(client, ["a", "b"])
+        if seen == expected:
+            break
+        await asyncio.sleep(0.01)
+    await client.aclose()
+    assert seen == expected

@@ -1,0 +1,44 @@
+"""What a trajectory actor's process loads (issue 14, memory per live trajectory).
+
+A trajectory actor's worker imports ``actors.trajectory`` and unpickles ``cluster.adapters.ClusterAdapters``
+(its constructor argument). Neither may load the provider SDK (the node's model client actor holds it,
+``actors.model_client``), gRPC (loaded only when the launch routes a tool to a gRPC service) or Ed25519
+verification (loaded on the first control message the process verifies): together about 37 MB RSS of every
+live trajectory (``benchmarks/node_capacity.py``'s import ladder).
+
+Checked in a fresh interpreter, since this test process has imported everything already.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+NOT_LOADED = ("openai", "grpc", "cryptography.hazmat.primitives.asymmetric.ed25519", "cluster.signing")
+
+
+def loaded_by(*modules: str) -> set[str]:
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {list(modules)!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120
+    )
+    return set(json.loads(out.stdout))
+
+
+def test_a_trajectory_actor_process_loads_no_provider_sdk_no_grpc_and_no_signature_code() -> None:
+    loaded = loaded_by("actors.trajectory", "cluster.adapters")
+    assert "actors.trajectory" in loaded
+    assert [m for m in NOT_LOADED if m in loaded] == []
+
+
+def test_the_in_process_adapter_and_the_grpc_port_still_load_them_when_asked() -> None:
+    # the control: the names checked above are the ones these modules really pull in
+    loaded = loaded_by("actors.model_openai", "actors.tools_grpc", "cluster.signing")
+    assert [m for m in NOT_LOADED if m not in loaded] == []
