@@ -14,11 +14,13 @@ outlives it.
 - Each command is started in a new session (its wrapper's process group, whose id is the wrapper's
   pid) with ``setrlimit`` applied before ``exec`` and inherited by everything inside: CPU seconds,
   address space, open files, no core dumps.
-- Teardown: SIGTERM to the command's processes (every process of the namespace but its PID 1), SIGKILL
-  to the namespace's PID 1 and the wrapper's group after ``term_grace_s``, then wait until no process of
-  the namespace or the group is left. The hosting process is a *child subreaper* (Linux
-  ``PR_SET_CHILD_SUBREAPER``) so orphans reparented to it are reaped here.
-- ``kill_all`` is the trajectory kill (issue 4): every live command is torn down, the sandbox refuses
+- Teardown at a command's exit, timeout or cancellation: SIGTERM to the command's processes (every
+  process of the namespace but its PID 1), SIGKILL to the wrapper's group and the namespace's PID 1 after
+  ``term_grace_s``, then wait until no process of the namespace or the group is left. The hosting process
+  is a *child subreaper* (Linux ``PR_SET_CHILD_SUBREAPER``) so orphans reparented to it are reaped here.
+- ``kill_all`` is the trajectory kill (issue 4; ARCHITECTURE.md: "kill acts at once"): SIGKILL at once,
+  no SIGTERM and no grace, so a command that ignores or is slow to act on SIGTERM (or a namespace whose
+  PID 1 is slow to pass its exit on) cannot hold the kill for ``term_grace_s``; the sandbox refuses
   further runs, and the teardown time is returned. ``teardown`` also removes the workspace.
 """
 
@@ -155,6 +157,7 @@ class _Running:
     run_id: str  # in the environment of the wrapper and everything it starts (RUN_ENV)
     ns: Namespace | None = None  # the command's PID namespace, once known
     killed: bool = False
+    by_kill: bool = False  # torn down by the trajectory kill (``kill_all``): SIGKILL at once, no grace
 
 
 @dataclass
@@ -297,6 +300,7 @@ class Sandbox:
         self._save_groups()
         # A kill that came while the process was being started did not see it: it is torn down below.
         running.killed = self._closed or cancelled
+        running.by_kill = self._closed
         assert proc.stdout is not None and proc.stderr is not None
         readers = (
             asyncio.create_task(_read_capped(proc.stdout, self.max_output_bytes)),
@@ -310,14 +314,15 @@ class Sandbox:
                     await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
                 except TimeoutError:
                     timed_out = True
-            # Whether the command exited, timed out or was killed: nothing it started outlives the call.
-            await self._teardown(running)
+            # Whether the command exited, timed out or was killed: nothing it started outlives the call
+            # (a kill is SIGKILL at once here too: the group may still be dying when the wrapper exits).
+            await self._teardown(running, graceful=not running.by_kill)
             if cancelled:
                 raise asyncio.CancelledError
         except asyncio.CancelledError:
             # The caller gave up on the command (its deadline, a cancel): it goes, with everything it started.
             running.killed = True
-            await asyncio.shield(self._teardown(running))
+            await asyncio.shield(self._teardown(running, graceful=not running.by_kill))
             for reader in readers:
                 reader.cancel()
             raise
@@ -337,7 +342,8 @@ class Sandbox:
         )
 
     async def kill_all(self) -> float:
-        """Trajectory kill: tear down every live command with everything it started, refuse further runs.
+        """Trajectory kill: SIGKILL every live command with everything it started (no SIGTERM, no grace:
+        a kill acts at once), wait until it is gone, and refuse further runs.
 
         Returns the seconds from the call until every namespace and process group was gone.
         """
@@ -345,8 +351,8 @@ class Sandbox:
         self._closed = True
         targets = list(self._running.values())
         for running in targets:
-            running.killed = True
-        await asyncio.gather(*(self._teardown(r) for r in targets))
+            running.killed = running.by_kill = True
+        await asyncio.gather(*(self._teardown(r, graceful=False) for r in targets))
         return self.clock.now() - started
 
     async def teardown(self) -> float:
@@ -411,24 +417,27 @@ class Sandbox:
         env.update(extra or {})
         return env
 
-    async def _teardown(self, running: _Running) -> None:
-        """SIGTERM the command's processes, SIGKILL the namespace and the group after the grace period,
-        and wait until nothing of either is left."""
+    async def _teardown(self, running: _Running, *, graceful: bool) -> None:
+        """Graceful: SIGTERM the command's processes and SIGKILL what is left after the grace period; else
+        (a kill) SIGKILL at once. Then wait until nothing of the namespace or the group is left."""
         ns = running.ns
-        if ns is not None:
-            # bwrap's PID 1 is its own small init: spared, so the command can exit on SIGTERM (unshare's
-            # PID 1 is the command itself)
-            spare_init = running.isolation.kind is IsolationKind.BWRAP
-            alive = signal_namespace(ns, signal.SIGTERM, spare_init=spare_init)
-            alive = _group_alive(running.pgid) or alive
-        else:
-            alive = _signal_group(running.pgid, signal.SIGTERM)
-        if not alive or await self._wait_gone(running, self.term_grace_s):
-            return
-        if ns is not None:
-            # the namespace's PID 1 dies, and the kernel kills every other process of the namespace
-            signal_namespace(ns, signal.SIGKILL, spare_init=False)
+        if graceful:
+            if ns is not None:
+                # bwrap's PID 1 is its own small init: spared, so the command can exit on SIGTERM
+                # (unshare's PID 1 is the command itself)
+                spare_init = running.isolation.kind is IsolationKind.BWRAP
+                alive = signal_namespace(ns, signal.SIGTERM, spare_init=spare_init)
+                alive = _group_alive(running.pgid) or alive
+            else:
+                alive = _signal_group(running.pgid, signal.SIGTERM)
+            if not alive or await self._wait_gone(running, self.term_grace_s):
+                return
+        # The wrapper's group first (one syscall; its namespace's PID 1 has the wrapper's death as its
+        # parent-death signal), then the namespace's PID 1 itself (the kernel then kills every other
+        # process of the namespace), then whatever carries this run's id: both scan /proc.
         _signal_group(running.pgid, signal.SIGKILL)
+        if ns is not None:
+            signal_namespace(ns, signal.SIGKILL, spare_init=False)
         _kill_survivors(running.run_id)
         if not await self._wait_gone(running, _GONE_WITHIN_S):
             self._warn(f"sandbox group {running.pgid} still present {_GONE_WITHIN_S}s after SIGKILL")

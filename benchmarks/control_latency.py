@@ -16,9 +16,13 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   ``os.killpg(pgid, 0)`` raises ``ProcessLookupError`` for that trajectory's sandbox group (polled every
   millisecond from this process: every member of the group is gone). ``kill_burst_ms``: the same with the
   kills to the other half published back to back. ``kill_to_terminal_ms``: kill entry to the terminal
-  ``StateChanged`` in the log (server clock), for comparison.
+  ``StateChanged`` in the log (server clock), for comparison. ``--kill-rounds K`` repeats this on K fresh
+  fleets of N (each round: N live at its first kill, N/2 + 1 at its last one-at-a-time kill), so the
+  one-at-a-time percentiles pool N/2 x K kills (200 at the defaults); each round's own are kept too.
 - ``sandbox_teardown_ms``: ``actors.sandbox.Sandbox.kill_all`` on N real sandboxed ``sleep`` process
-  groups in this process (SIGTERM, SIGKILL after the grace, wait until ``killpg(pgid, 0)`` fails).
+  groups in this process (SIGKILL at once, wait until ``killpg(pgid, 0)`` fails).
+- Provenance (``benchmarks._common.provenance``): the commit, the machine calibration before and after,
+  the settings. ``--only live`` rewrites the live fields and keeps the stored ``parked`` result.
 - ``hibernated_bytes``: Redis ``MEMORY USAGE`` summed over one hibernated trajectory's keys (log, launch,
   status, nonces), for H trajectories paused after a few turns.
 - ``parked`` (issue 16): P trajectories each hold a call for approval and hibernate (their actors exit);
@@ -30,7 +34,8 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   what the wake-up storm costs a running trajectory. The local Ray declares ``--slots`` trajectory slots
   (a trajectory actor is ~155 MB; 300 at once do not fit), so the relays wake them as slots free.
 
-    .venv/bin/python -m benchmarks.control_latency [--trajectories 100] [--rounds 5] [--hibernated 10]
+    .venv/bin/python -m benchmarks.control_latency [--only live] [--trajectories 100] [--rounds 5]
+        [--kill-rounds 4] [--hibernated 10]   (--only live keeps the stored parked result)
     .venv/bin/python -m benchmarks.control_latency --only parked [--parked 300] [--repeats 3] [--slots 24]
         [--append]   (add the repetitions to the stored ones instead of replacing them)
 """
@@ -58,7 +63,16 @@ from actors.launch import CheckLaunch, ProviderLaunch
 from actors.relay import start_relays, stop_relays
 from actors.sandbox import Sandbox
 from actors.trajectory import NONCE_KEY_PREFIX, TrajectoryLaunch, ensure_actor, save_launch
-from benchmarks._common import RESULTS_DIR, environment, percentile, write_json, write_plot
+from benchmarks._common import (
+    RESULTS_DIR,
+    calibration,
+    environment,
+    percentile,
+    provenance,
+    spread,
+    write_json,
+    write_plot,
+)
 from cluster.adapters import ClusterAdapters
 from cluster.control import ControlAction
 from cluster.control_client import LAUNCH_PREFIX, ControlClient, status_key
@@ -373,7 +387,22 @@ async def hibernated_bytes(fleet: Fleet, h: int) -> dict[str, Any]:
     }
 
 
-async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, Any]:
+async def launch_fleet(fleet: Fleet, n: int, groups: dict[str, int], workspaces: Path) -> list[str]:
+    """N live trajectories, each waiting on its sandboxed command; returns their ids."""
+    tids: list[str] = []
+    # In batches: a hundred Ray workers importing at once starve this 2-core machine (and its Redis)
+    for start in range(0, n, LAUNCH_BATCH):
+        batch = [fleet.launch("bench", workspaces=workspaces) for _ in range(min(LAUNCH_BATCH, n - start))]
+        tids += batch
+        await fleet.wait_status(batch, lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
+        await sandbox_groups(batch, groups)
+    for tid in tids:
+        await fleet.new_log_entries(tid)  # move the cursors past everything so far
+    return tids
+
+
+async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: Path) -> dict[str, Any]:
+    before = calibration()
     load_at_start = round(os.getloadavg()[0], 2)
     server = RedisServer(data_dir=workdir / "redis").start()
     provider = start_provider_thread(ProviderConfig())
@@ -386,28 +415,39 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
     fleet = Fleet(server.url, provider.base_url, keyring)
     try:
         relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
-        t0 = time.perf_counter()
-        tids: list[str] = []
-        # In batches: a hundred Ray workers importing at once starve this 2-core machine (and its Redis)
-        for start in range(0, n, LAUNCH_BATCH):
-            batch = [
-                fleet.launch("bench", workspaces=workdir / "workspaces")
-                for _ in range(min(LAUNCH_BATCH, n - start))
-            ]
-            tids += batch
-            await fleet.wait_status(batch, lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
-            await sandbox_groups(batch, groups)
-        startup_s = time.perf_counter() - t0
-        for tid in tids:
-            await fleet.new_log_entries(tid)  # move the cursors past everything so far
-        record = await record_paced(fleet, tids, rounds)
-        record_burst: list[float] = []
-        for r in range(rounds):
-            record_burst += await record_round(fleet, tids, r)
-        half = len(tids) // 2
-        load_before_kills = os.getloadavg()[0]
-        kills, kills_terminal = await kill_paced(fleet, tids[:half], groups)
-        kills_burst, kills_burst_terminal = await kill_all(fleet, tids[half:], groups)
+        kills: list[float] = []
+        kills_terminal: list[float] = []
+        kills_burst: list[float] = []
+        kills_burst_terminal: list[float] = []
+        startup: list[float] = []
+        load_before_kills: list[float] = []
+        per_round: list[dict[str, Any]] = []
+        for k in range(kill_rounds):
+            # Each kill round starts from a fleet of N live trajectories (a new one: the last was killed)
+            t0 = time.perf_counter()
+            tids = await launch_fleet(fleet, n, groups, workdir / "workspaces")
+            startup.append(round(time.perf_counter() - t0, 1))
+            if k == 0:
+                record = await record_paced(fleet, tids, rounds)
+                record_burst: list[float] = []
+                for r in range(rounds):
+                    record_burst += await record_round(fleet, tids, r)
+            half = len(tids) // 2
+            load_before_kills.append(round(os.getloadavg()[0], 2))
+            paced, paced_terminal = await kill_paced(fleet, tids[:half], groups)
+            burst, burst_terminal = await kill_all(fleet, tids[half:], groups)
+            for tid in tids:
+                groups.pop(tid, None)
+            kills += paced
+            kills_terminal += paced_terminal
+            kills_burst += burst
+            kills_burst_terminal += burst_terminal
+            per_round.append({"kill_ms": _pct(paced), "kill_burst_ms": _pct(burst), "kills": len(paced)})
+            print(
+                f"kill round {k}: one at a time {per_round[-1]['kill_ms']}, burst "
+                f"{per_round[-1]['kill_burst_ms']}",
+                flush=True,
+            )
         teardown = await sandbox_teardown(min(n, 50), workdir / "sandboxes")
         hib = await hibernated_bytes(fleet, hibernated) if hibernated else None
     finally:
@@ -419,9 +459,6 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         ray.shutdown()
         provider.stop()
         server.stop()
-
-    def pct(samples: list[float]) -> dict[str, float]:
-        return {"p50": round(percentile(samples, 50), 2), "p99": round(percentile(samples, 99), 2)}
 
     write_plot(
         NAME,
@@ -435,15 +472,27 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         },
         title=f"Control latency, {n} live trajectories, 2 relays (2-core machine)",
     )
-    return {
+    settings = {
         "trajectories": n,
-        "record_ms": pct(record),
-        "kill_ms": pct(kills),
-        "record_burst_ms": pct(record_burst),
-        "kill_burst_ms": pct(kills_burst),
-        "kill_to_terminal_ms": pct(kills_terminal),
-        "kill_burst_to_terminal_ms": pct(kills_burst_terminal),
-        "sandbox_teardown_ms": pct(teardown),
+        "rounds": rounds,
+        "kill_rounds": kill_rounds,
+        "hibernated": hibernated,
+        "relays": 2,
+        "ray_cpus": 2,
+    }
+    return {
+        **provenance(settings, before=before),
+        "trajectories": n,
+        "record_ms": _pct(record),
+        "kill_ms": _pct(kills),
+        "record_burst_ms": _pct(record_burst),
+        "kill_burst_ms": _pct(kills_burst),
+        "kill_to_terminal_ms": _pct(kills_terminal),
+        "kill_burst_to_terminal_ms": _pct(kills_burst_terminal),
+        "sandbox_teardown_ms": _pct(teardown),
+        "kill_rounds": per_round,
+        "kill_p99_ms_over_rounds": spread([r["kill_ms"]["p99"] for r in per_round], digits=1),
+        "kill_burst_p99_ms_over_rounds": spread([r["kill_burst_ms"]["p99"] for r in per_round], digits=1),
         "hibernated_bytes": hib,
         "samples": {
             "record": len(record),
@@ -455,25 +504,32 @@ async def run(n: int, rounds: int, hibernated: int, workdir: Path) -> dict[str, 
         },
         "targets": {"record_p99_ms": 100, "kill_p99_ms": 500},
         "notes": (
-            "record_ms/kill_ms: one message at a time with all N trajectories live, each waiting on a "
-            "sandboxed run_command (sh + sleep); *_burst_ms: one message to every trajectory published back "
-            "to back (queueing on 2 cores). record: Redis stream entry ids (server clock, 1 ms resolution). "
-            "kill_ms: from just before the kill's XADD until killpg(pgid, 0) fails for that trajectory's "
-            "sandbox process group (polled every ms by the benchmark process); kill_to_terminal_ms: kill "
-            "entry to the terminal StateChanged in the log; sandbox_teardown_ms: Sandbox.kill_all alone"
+            "record_ms: one message at a time with all N trajectories live, each waiting on a sandboxed "
+            "run_command (sh + sleep); *_burst_ms: one message to every trajectory published back to back "
+            "(queueing on 2 cores). record: Redis stream entry ids (server clock, 1 ms resolution). kill "
+            "rounds: each starts from a fresh fleet of N live trajectories and kills half of them one at a "
+            "time (N down to N/2 + 1 live), then the other half in a burst; kill_ms pools the one-at-a-time "
+            "kills of every round, kill_rounds has each round's own percentiles and kill_p99_ms_over_rounds "
+            "their spread. kill_ms: from just before the kill's XADD until killpg(pgid, 0) fails for that "
+            "trajectory's sandbox process group (polled every ms by the benchmark process); "
+            "kill_to_terminal_ms: kill entry to the terminal StateChanged in the log; sandbox_teardown_ms: "
+            "Sandbox.kill_all alone"
         ),
         "setup": {
             "relays": 2,
             "ray_cpus": 2,
             "ray_worker_niceness": int(os.environ["RAY_worker_niceness"]),  # noqa: SIM112 - Ray spells it so
             "appendfsync": "always",
-            "startup_s": round(startup_s, 1),
+            "startup_s": startup,
             "load_avg_1m_at_start": load_at_start,
-            "load_avg_1m_before_kills": round(load_before_kills, 2),
+            "load_avg_1m_before_kills": load_before_kills,
             "sandbox_command": "sh -c 'sleep 3600 & wait' (run_command, empty argv -> launch default)",
         },
-        "environment": environment(),
     }
+
+
+def _pct(samples: list[float]) -> dict[str, float]:
+    return {"p50": round(percentile(samples, 50), 2), "p99": round(percentile(samples, 99), 2)}
 
 
 # --------------------------------------------------------------------------- the parked fleet
@@ -830,7 +886,13 @@ def append_parked(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="interrupt rounds over the live fleet")
+    parser.add_argument(
+        "--kill-rounds",
+        type=int,
+        default=4,
+        help="fleets of N live trajectories to kill (half one at a time, half in a burst): N/2 x this kills",
+    )
     parser.add_argument("--hibernated", type=int, default=10)
     parser.add_argument("--parked", type=int, default=300, help="parked trajectories per repetition")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the parked-fleet case")
@@ -847,13 +909,16 @@ def main() -> None:
         help="add this run's parked-fleet repetitions to the stored ones (same --parked and --slots)",
     )
     args = parser.parse_args()
+    if args.kill_rounds < 1 or args.trajectories < 2:
+        parser.error("--kill-rounds must be at least 1 and --trajectories at least 2")
     previous = RESULTS_DIR / f"{NAME}.json"
     result: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         if args.only in ("all", "live"):
             kept = result.get("parked")
-            result = asyncio.run(run(args.trajectories, args.rounds, args.hibernated, Path(tmp) / "live"))
-            result["commit"] = commit()
+            result = asyncio.run(
+                run(args.trajectories, args.rounds, args.kill_rounds, args.hibernated, Path(tmp) / "live")
+            )
             if kept is not None:
                 result["parked"] = kept
         if args.only in ("all", "parked"):

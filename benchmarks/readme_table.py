@@ -146,10 +146,16 @@ def guard_throughput(d: Mapping[str, Any]) -> str:
 
 def control_latency(d: Mapping[str, Any]) -> str:
     hib = d.get("hibernated_bytes") or {}
+    kills = (d.get("samples") or {}).get("kill")
+    rounds = d.get("kill_p99_ms_over_rounds")
+    over = f" ({kills} kills" if kills else ""
+    if over and rounds:
+        over += f", p99 per round {_s(rounds)} ms"
+    over += ")" if over else ""
     return (
         f"{d.get('trajectories')} live trajectories: XADD -> recorded p50/p99 {d['record_ms']['p50']:.0f} / "
         f"{d['record_ms']['p99']:.0f} ms; kill -> sandbox gone {d['kill_ms']['p50']:.0f} / "
-        f"{d['kill_ms']['p99']:.0f} ms one at a time, {d['kill_burst_ms']['p50']:.0f} / "
+        f"{d['kill_ms']['p99']:.0f} ms one at a time{over}, {d['kill_burst_ms']['p50']:.0f} / "
         f"{d['kill_burst_ms']['p99']:.0f} ms in a burst; hibernated ≈ {hib.get('mean', 'n/a')} B"
         + _parked(d.get("parked"))
     )

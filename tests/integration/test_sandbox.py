@@ -126,6 +126,28 @@ async def test_a_group_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
     assert not group_exists(pgid)
 
 
+async def test_kill_all_sends_sigkill_at_once_without_a_sigterm_grace(tmp_path: Path) -> None:
+    # Given a command that records any SIGTERM it gets (and then waits on), in a sandbox whose grace for
+    # SIGTERM is an hour: a kill that went through SIGTERM and its grace would show in the file, and one
+    # whose command ignored SIGTERM would wait out the hour
+    box = Sandbox("traj-kill-now", tmp_path, term_grace_s=3600.0)
+    script = "trap 'echo TERM >> got-term' TERM; sleep 3600 & echo ready > ready; wait; wait"
+    run = asyncio.create_task(box.run(["sh", "-c", script], timeout=3600))
+    pgid = await started_group(box)
+    for _ in range(1000):
+        if (box.workspace / "ready").exists():
+            break
+        await asyncio.sleep(0.01)
+    assert (box.workspace / "ready").exists(), "the command never started"
+    # When the trajectory is killed
+    await box.kill_all()
+    result = await run
+    # Then the group is gone, killed by SIGKILL, and no process of it ever saw a SIGTERM (kill acts at once)
+    assert not group_exists(pgid)
+    assert (result.killed, result.exit_code) == (True, -signal.SIGKILL)
+    assert not (box.workspace / "got-term").exists()
+
+
 async def test_leftovers_of_a_finished_command_are_torn_down(sandbox: Sandbox) -> None:
     # Given a command that exits at once but leaves a background child behind (marked in its argv)
     marker = f"tether-leftover-{os.getpid()}-{id(sandbox)}"

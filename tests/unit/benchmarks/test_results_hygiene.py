@@ -106,6 +106,14 @@ def test_the_control_latency_row_says_whether_the_parked_fleet_was_measured(tmp_
     assert "300 parked trajectories" in row and "519, 480, 500 s (3 repetitions)" in row
     assert "p50/p99 27 / 71 ms meanwhile" in row and "11 ms p99 beside 51 stuck entries" in row
     assert "(01234567)" in row
+    counted = {
+        **live,
+        "samples": {"kill": 200},
+        "kill_p99_ms_over_rounds": {"min": 80, "median": 90, "max": 120},
+    }
+    (tmp_path / "control_latency.json").write_text(json.dumps(counted))
+    row = next(line for line in table(tmp_path).splitlines() if "`control_latency`" in line)
+    assert "45 / 90 ms one at a time (200 kills, p99 per round 90 [80-120] ms)" in row
     mixed = {**parked, "commits_per_repetition": ["fedcba9876+dirty", "0123456789abcdef", "0123456789abcdef"]}
     (tmp_path / "control_latency.json").write_text(json.dumps({**live, "parked": mixed}))
     row = next(line for line in table(tmp_path).splitlines() if "`control_latency`" in line)
