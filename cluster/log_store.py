@@ -297,6 +297,18 @@ class RedisLogStore:
                     return out
                 start = f"({_text(page[-1][0])}"
 
+    async def trim(self, trajectory_id: str, before: str) -> int:
+        """Remove every entry older than ``before`` (``XTRIM MINID``, exact: the entry itself stays);
+        returns how many were removed. Only ever called behind a durable record snapshot at ``before``."""
+        key = log_key(trajectory_id)
+        parse_entry_id(before, where="before")
+
+        async def once() -> int:
+            with redis_errors(self._url, f"trimming {key}"):
+                return int(await self._client.xtrim(key, minid=before, approximate=False))
+
+        return await self._ride_out(f"trimming {key}", once)
+
     async def exists(self, trajectory_id: str) -> bool:
         """Whether the trajectory has a log (a stream with at least one entry)."""
         key = log_key(trajectory_id)
