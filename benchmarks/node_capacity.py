@@ -15,14 +15,19 @@
    (its private pages plus its share of the shared ones; with many actors PSS tends to USS), so
    ``(MemAvailable at start - reserve) / median trajectory PSS``. The drop of ``MemAvailable`` over the
    ``N`` started is recorded beside it as a cross-check (noisy while others work on the machine).
-4. **Hibernated trajectories.** ``H`` trajectories paused after two turns hibernate (their actor exits);
-   Redis ``MEMORY USAGE`` of each one's keys is its cost at rest. Waking: ``ensure_actor`` from the stored
-   launch and a ``status`` call (the record folded from the log, the actor answering) for all ``H`` at
-   once; the woken actors are then stopped and the wake repeated.
+4. **Hibernated trajectories.** ``H`` trajectories paused after two turns hibernate (their actor compacts
+   its log to one record snapshot and exits); Redis ``MEMORY USAGE`` of each one's keys is its cost at
+   rest, reported per key (log, launch, status, nonces) beside the log's entry count and payload bytes.
+   Waking: ``ensure_actor`` from the stored launch and a ``status`` call (the record folded from the
+   snapshot, the actor answering) for all ``H`` at once; the woken actors are then stopped and the wake
+   repeated. The breakdown, same run: ``H`` bare Ray actors started at once (the process-start floor),
+   the read + decode + fold of one log in the driver (no process), and a fresh interpreter's import of
+   ``ray`` and of the trajectory actor's module.
 
-    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3]
+    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3] [--only hibernation] [--hibernated H]
 
-Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG.
+Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG;
+``--only hibernation`` runs that part alone and writes ``node_capacity.hibernation.json`` beside them.
 """
 
 from __future__ import annotations

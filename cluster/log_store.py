@@ -24,6 +24,11 @@ carries a batch id, stored in every entry it writes (field ``b``), and is writte
 that first looks for that batch id among the stream's newest entries: a retry of a batch that already
 landed returns the ids it got the first time instead of appending again. The script runs atomically,
 so a batch is in the log whole or not at all.
+
+Compaction. A hibernating trajectory appends its record as one snapshot entry (an opaque payload like any
+other: ``runtime.snapshot``) and then calls ``trim(id)``, ``XTRIM MINID`` exactly at the snapshot's id, so
+only entries the snapshot covers are removed. Readers fold the newest snapshot plus the entries after it
+(``runtime.snapshot.fold_entries``); a trim that never ran leaves a longer log that folds the same.
 """
 
 from __future__ import annotations

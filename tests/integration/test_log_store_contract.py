@@ -17,10 +17,10 @@ from cluster import embedded
 from cluster.embedded import EmbeddedRedis, redis_url_from_env, stop_embedded
 from cluster.log_store import DEFAULT_OUTAGE_S, OUTAGE_ENV, RedisLogStore, outage_budget_from_env
 from cluster.redis_server import RedisServer, free_port
-from runtime.errors import DependencyError, InputError
-from runtime.memstore import MemoryLogStore, parse_entry_id
 from runtime.codec import decode, encode
+from runtime.errors import DependencyError, InputError
 from runtime.fold import fold
+from runtime.memstore import MemoryLogStore, parse_entry_id
 from runtime.ports import LogStore
 from runtime.record import TrajectoryRecord
 from runtime.snapshot import encode_snapshot, fold_entries
