@@ -444,6 +444,12 @@ async def test_hibernated_trajectory_wakes_on_control_with_budgets_intact(plane:
     # the hibernated actor compacted its log: the record is its snapshot, the events are those after it
     before, before_count = await plane.record(tid), len(await plane.events(tid))
     assert before.spend.get(Dimension.TOKENS) > 0
+    if wake == "approve":
+        # the held call survives compaction; `tether pending` still shows its arguments (from the snapshot)
+        assert before.held is not None and asleep.held is not None
+        assert before.held.digest == asleep.held.digest
+        (listed,) = [h for h in await plane.client.pending() if h.trajectory_id == tid]
+        assert '"seconds"' in listed.arguments
 
     # When the control message arrives (the relay re-creates the actor from its launch record)
     if wake == "resume":
