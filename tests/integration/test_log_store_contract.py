@@ -16,7 +16,7 @@ import redis
 from cluster import embedded
 from cluster.embedded import EmbeddedRedis, redis_url_from_env, stop_embedded
 from cluster.log_store import DEFAULT_OUTAGE_S, OUTAGE_ENV, RedisLogStore, outage_budget_from_env
-from cluster.redis_server import RedisServer, free_port
+from cluster.redis_server import STREAM_NODE_MAX_BYTES, RedisServer, free_port
 from runtime.codec import decode, encode
 from runtime.errors import DependencyError, InputError
 from runtime.fold import fold
@@ -238,6 +238,19 @@ async def test_a_crash_between_snapshot_and_trim_loses_nothing(store: ListingSto
 
 
 # --------------------------------------------------------------------------- Redis specifics
+
+
+def test_tethers_redis_uses_small_stream_nodes(redis_url: str) -> None:
+    # A stream node is allocated whole: 2 KB nodes keep a compacted log (one snapshot entry) small
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        node_bytes = raw.config_get("stream-node-max-bytes")["stream-node-max-bytes"]
+        raw.xadd("tether:log:t-node", {"e": b"x" * 2000})
+        one_entry = raw.memory_usage("tether:log:t-node", samples=0)
+    finally:
+        raw.close()
+    assert node_bytes == str(STREAM_NODE_MAX_BYTES)
+    assert one_entry is not None and one_entry < 4096  # a 4 KB node (Redis's default) would not fit
 
 
 async def test_entries_live_in_the_documented_stream_key_and_field(redis_url: str) -> None:
