@@ -22,10 +22,9 @@ from typing import Any
 
 from actors.launch import CheckLaunch, TrajectoryLaunch, load_launch, save_launch
 from actors.ports import ClusterPorts
-from runtime.codec import decode
 from runtime.delegation import ChildEvidence, DelegationContract, evidence_of
-from runtime.fold import fold
 from runtime.ports import LogStore
+from runtime.snapshot import fold_entries
 
 __all__ = ["RayChildren", "child_launch"]
 
@@ -104,8 +103,7 @@ class RayChildren:
         from actors.wiring import build_policy, build_registry
 
         entries = await self.log.read(launch.trajectory_id)
-        events = [decode(payload) for _, payload in entries]
-        record = fold(events, build_policy(launch, build_registry(launch)))
+        record = fold_entries(entries, build_policy(launch, build_registry(launch)))
         return evidence_of(record)
 
     async def cancel_child(self, child_id: str, kill: bool, reason: str) -> None:

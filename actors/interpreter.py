@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from actors import aio
 from runtime.clock import Clock
-from runtime.codec import decode, encode
+from runtime.codec import encode
 from runtime.decider import Decision, decide, evolve
 from runtime.delegation import ChildEvidence, DelegationContract
 from runtime.dispatch import NoGuard
@@ -122,6 +122,7 @@ from runtime.ports import (
     Usage,
 )
 from runtime.record import Lease, Timer, TrajectoryRecord
+from runtime.snapshot import encode_snapshot, events_after_snapshot, fold_entries
 from runtime.states import TrajectoryState
 
 __all__ = [
@@ -323,10 +324,38 @@ class Interpreter:
 
     async def _reload(self) -> None:
         entries = await self.ports.log.read(self.trajectory_id)
-        events = [decode(payload) for _, payload in entries]
-        self._events = events
+        # the newest record snapshot plus the events after it (the whole log when it has none)
         self._held, self._flusher = [], None
-        self._record = self._durable = fold(events, self.policy)
+        self._record = self._durable = fold_entries(entries, self.policy)
+        self._events = events_after_snapshot(entries)
+
+    async def compact(self) -> bool:
+        """Write the record as one snapshot entry at the end of the log, then trim the entries before it
+        (``runtime.snapshot``): what a hibernating trajectory leaves in Redis. The snapshot is durable
+        before anything is trimmed, and the trim removes only what it covers, so a crash in between loses
+        nothing. Skipped (False) when the record may not be the log's fold (recovering after a failed
+        write) or a write fails (the log then stays whole)."""
+        async with self._lock:
+            if self._record is None or self._closed:
+                return False
+            if self._recovering is not None and not self._recovering.done():
+                return False
+            try:
+                await self._flush()  # the snapshot covers only what the log holds
+            except Exception:
+                return False  # reported, and recovery started, by _flush
+            try:
+                [snapshot_id] = await self.ports.log.append_many(
+                    self.trajectory_id, [encode_snapshot(self._record)]
+                )
+            except Exception as e:
+                _log.warning("%s: no snapshot written, the log stays whole: %s", self.trajectory_id, e)
+                return False
+            try:
+                await self.ports.log.trim(self.trajectory_id, snapshot_id)
+            except Exception as e:  # the snapshot covers the untrimmed entries: recovery skips them
+                _log.warning("%s: snapshot written, trim failed (harmless): %s", self.trajectory_id, e)
+            return True
 
     # ------------------------------------------------------------------ inputs
 

@@ -1,16 +1,17 @@
 """The launch record: everything needed to (re)build one trajectory actor, stored in Redis.
 
 A ``TrajectoryLaunch`` is written once by whoever starts the trajectory (``tether run``) under
-``tether:launch:<trajectory_id>``. Whoever has to bring the actor back later (a relay waking a hibernated
-trajectory, a driver resuming after its own restart) reads it and calls ``ensure_actor(launch)``; the
-actor then folds its durable log and continues. The launch holds configuration only, never state: the
-state is the log.
+``tether:launch:<trajectory_id>`` (its JSON, zlib-compressed; a plain JSON launch reads as well). Whoever
+has to bring the actor back later (a relay waking a hibernated trajectory, a driver resuming after its own
+restart) reads it and calls ``ensure_actor(launch)``; the actor then folds its durable log and continues.
+The launch holds configuration only, never state: the state is the log.
 
 Secrets stay out of it: the provider's API key is named by an environment variable the actor reads.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Annotated, Literal
 
 import redis
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 LAUNCH_KEY_PREFIX = "tether:launch:"
+_ZLIB_HEADER = b"\x78"  # the first byte of a zlib stream (deflate, 32 KB window)
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -172,9 +174,20 @@ class TrajectoryLaunch(_Frozen):
     def to_json(self) -> str:
         return self.model_dump_json()
 
+    def to_stored(self) -> bytes:
+        """The launch as stored in Redis: its JSON, zlib-compressed (about half the bytes; a hibernated
+        trajectory keeps its launch for as long as it lives)."""
+        return zlib.compress(self.to_json().encode(), 9)
+
     @classmethod
     def from_json(cls, data: str | bytes, where: str = "launch") -> TrajectoryLaunch:
-        """Decode a stored launch; ``CodecError`` names what is wrong."""
+        """Decode a stored launch (JSON, or JSON zlib-compressed by ``to_stored``); ``CodecError`` names what
+        is wrong."""
+        if isinstance(data, bytes | bytearray) and data[:1] == _ZLIB_HEADER:  # JSON never starts with 0x78
+            try:
+                data = zlib.decompress(data)
+            except zlib.error as e:
+                raise CodecError(f"not a valid trajectory launch: {e}", where=where) from e
         try:
             return cls.model_validate_json(data)
         except ValidationError as e:
@@ -195,7 +208,7 @@ def save_launch(redis_url: str, launch: TrajectoryLaunch) -> None:
     """Store ``launch`` under ``tether:launch:<id>`` (overwrites: the latest launch wins)."""
     client = _client(redis_url)
     try:
-        client.set(launch_key(launch.trajectory_id), launch.to_json())
+        client.set(launch_key(launch.trajectory_id), launch.to_stored())
     except redis.exceptions.RedisError as e:
         raise DependencyError(f"saving the launch of {launch.trajectory_id}: {e}", scope="redis") from e
     finally:

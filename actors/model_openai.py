@@ -39,9 +39,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import openai
+from typing import TYPE_CHECKING, Any, Literal
 
 from actors.model_outcomes import CallObserved, CallObserver, ModelCallFailed, ModelRateLimited
 from actors.provider_headers import parse_rate_limit
@@ -56,6 +54,9 @@ from runtime.ports import (
     ToolCallProposal,
     Usage,
 )
+
+if TYPE_CHECKING:  # imported on the first call: a woken trajectory that only answers a signal never needs it
+    import openai
 
 __all__ = [
     "SCENARIO_HEADER",
@@ -140,7 +141,11 @@ class OpenAIModel:
     ) -> None:
         if client is not None and client.max_retries != 0:
             raise ValueError("the injected openai client must have max_retries=0 (Tether owns retries)")
-        self._client = client or openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        # built on the first call: importing openai is about half of a trajectory actor's import time, which
+        # a woken trajectory that only records a signal (or answers its status) would pay for nothing
+        self._client: openai.AsyncOpenAI | None = client
+        self._base_url = base_url
+        self._api_key = api_key
         self._clock: Clock = clock or SystemClock()
         self._estimate = prompt_estimator
         self._on_chunk = on_chunk or (lambda _n: None)
@@ -149,9 +154,17 @@ class OpenAIModel:
         self._observer: CallObserver = observer or _NoObserver()
         self._warned_headers: set[str] = set()
 
+    def _api(self) -> openai.AsyncOpenAI:
+        if self._client is None:
+            import openai
+
+            self._client = openai.AsyncOpenAI(base_url=self._base_url, api_key=self._api_key, max_retries=0)
+        return self._client
+
     async def aclose(self) -> None:
-        """Close the underlying HTTP client."""
-        await self._client.close()
+        """Close the underlying HTTP client (if a call ever built it)."""
+        if self._client is not None:
+            await self._client.close()
 
     async def complete(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
         """Stream one completion; see the module docstring for cancellation, deadline, errors and metering."""
@@ -273,8 +286,11 @@ class OpenAIModel:
         }
         if request.tools:
             kwargs["tools"] = list(request.tools)
+        client = self._api()
+        import openai  # loaded by _api(): the except clauses below name its error types
+
         try:
-            async with self._client.chat.completions.with_streaming_response.create(**kwargs) as response:
+            async with client.chat.completions.with_streaming_response.create(**kwargs) as response:
                 state.status = response.status_code
                 state.rate_limit = self._limits(response.headers, f"HTTP {response.status_code}")
                 stream = await response.parse()

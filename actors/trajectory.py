@@ -17,7 +17,8 @@ log, lets the interpreter run, and receives control messages and durable timers.
 - Timers: durable timers (the deadline, an approval's expiry) are stored in the cluster's timer store; its
   service (``cluster.timer_service``) calls ``fire_timer`` on whichever incarnation exists (re-creating a
   hibernated one first).
-- Hibernation: when the decider asks for it during a long wait (approval, pause) the actor closes its
+- Hibernation: when the decider asks for it during a long wait (approval, pause) the actor compacts its
+  log (the record as one snapshot entry, the entries it covers trimmed: ``runtime.snapshot``), closes its
   ports, marks its status ``hibernated=1`` and exits for good; ``ensure_actor(load_launch(...))`` brings it
   back on the next signal or timer.
 - Kill: the ``on_kill`` hook tears the trajectory's sandbox process groups down at once.
@@ -433,6 +434,8 @@ class TrajectoryActor:
         assert self._status is not None
         if outcome.hibernated:
             self._exiting = True
+            # at rest the trajectory costs its log: compact it to one record snapshot (runtime.snapshot)
+            await harness.compact()
             self._status.show(outcome.record, hibernated=True)
         else:
             self._status.show(outcome.record)

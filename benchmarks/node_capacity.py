@@ -20,15 +20,20 @@
    (its private pages plus its share of the shared ones; with many actors PSS tends to USS), so
    ``(MemAvailable at start - reserve) / median trajectory PSS``. The drop of ``MemAvailable`` over the
    ``N`` started is recorded beside it as a cross-check (noisy while others work on the machine).
-4. **Hibernated trajectories.** ``H`` trajectories paused after two turns hibernate (their actor exits);
-   Redis ``MEMORY USAGE`` of each one's keys is its cost at rest. Waking: ``ensure_actor`` from the stored
-   launch and a ``status`` call (the record folded from the log, the actor answering) for all ``H`` at
-   once; the woken actors are then stopped and the wake repeated.
+4. **Hibernated trajectories.** ``H`` trajectories paused after two turns hibernate (their actor compacts
+   its log to one record snapshot and exits); Redis ``MEMORY USAGE`` of each one's keys is its cost at
+   rest, reported per key (log, launch, status, nonces) beside the log's entry count and payload bytes.
+   Waking: ``ensure_actor`` from the stored launch and a ``status`` call (the record folded from the
+   snapshot, the actor answering) for all ``H`` at once; the woken actors are then stopped and the wake
+   repeated. The breakdown, same run: ``H`` bare Ray actors started at once (the process-start floor),
+   the read + decode + fold of one log in the driver (no process), and a fresh interpreter's import of
+   ``ray`` and of the trajectory actor's module.
 
-    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3] [--only memory] [--live N]
+    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3] [--only memory|hibernation]
+        [--live N] [--hibernated H]
 
 Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG;
-``--only memory`` measures part 2 alone and writes ``node_capacity.memory.json`` (never the headline).
+``--only PART`` measures that part alone and writes ``node_capacity.PART.json`` (never the headline).
 """
 
 from __future__ import annotations
@@ -424,32 +429,99 @@ def stop_trajectories(tids: Sequence[str]) -> None:
 # ----------------------------------------------------------------------------- 4. hibernation
 
 
+async def key_costs(client: Any, tid: str) -> dict[str, Any]:
+    """``MEMORY USAGE`` of each of a trajectory's keys (exact: every stream node sampled), and what the log
+    holds (entries, payload bytes, the share of snapshot entries)."""
+    from actors.trajectory import NONCE_KEY_PREFIX
+    from cluster.control_client import LAUNCH_PREFIX, status_key
+    from cluster.log_store import FIELD, log_key
+
+    keys = {
+        "log": log_key(tid),
+        "launch": f"{LAUNCH_PREFIX}{tid}",
+        "status": status_key(tid),
+        "nonces": f"{NONCE_KEY_PREFIX}{tid}",
+    }
+    row: dict[str, Any] = {}
+    for name, key in keys.items():
+        row[name] = int(await client.memory_usage(key, samples=0) or 0)
+    entries = await client.xrange(keys["log"])
+    row["log_entries"] = len(entries)
+    row["log_payload_bytes"] = sum(len(fields.get(FIELD, b"")) for _, fields in entries)
+    row["launch_bytes"] = int(await client.strlen(keys["launch"]))
+    row["status_fields"] = int(await client.hlen(keys["status"]))
+    row["total"] = sum(row[name] for name in keys)
+    return row
+
+
+async def fold_times(redis_url: str, tids: Sequence[str]) -> list[float]:
+    """Seconds to read, decode and fold each trajectory's log in this process (what a woken actor does to
+    its log, without the process start, the imports or the ports)."""
+    from actors.launch import load_launch
+    from actors.wiring import build_policy, build_registry
+    from cluster.log_store import RedisLogStore
+    from runtime.snapshot import fold_entries
+
+    out: list[float] = []
+    async with RedisLogStore.from_url(redis_url) as store:
+        for tid in tids:
+            launch = load_launch(redis_url, tid)
+            assert launch is not None
+            policy = build_policy(launch, build_registry(launch))
+            started = time.perf_counter()
+            fold_entries(await store.read(tid), policy)
+            out.append(time.perf_counter() - started)
+    return out
+
+
+def bare_start_s(n: int) -> float:
+    """Seconds for ``n`` bare Ray actors created at once to answer one call each (the process-start floor)."""
+    started = time.perf_counter()
+    bares = [Bare.remote() for _ in range(n)]  # type: ignore[attr-defined]
+    ray.get([b.ping.remote() for b in bares])
+    elapsed = time.perf_counter() - started
+    for b in bares:
+        ray.kill(b)
+    return elapsed
+
+
+def import_s() -> dict[str, float]:
+    """Seconds a fresh interpreter takes to import ``ray`` alone and then the trajectory actor's module."""
+    import subprocess
+
+    code = (
+        "import time; t = time.perf_counter(); import ray; r = time.perf_counter() - t; "
+        "t = time.perf_counter(); import actors.trajectory; print(r, time.perf_counter() - t)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ray_s, actor_s = (float(x) for x in done.stdout.split())
+    return {"ray": ray_s, "actors.trajectory": actor_s}
+
+
 async def hibernation(fleet: Fleet, h: int, rounds: int) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from actors.trajectory import NONCE_KEY_PREFIX, ensure_actor, load_launch
+    from actors.trajectory import ensure_actor, load_launch
     from cluster.control import ControlAction
-    from cluster.control_client import LAUNCH_PREFIX, status_key
-    from cluster.log_store import log_key
 
     tids = [fleet.launch("hib", hibernate_after_s=0.5) for _ in range(h)]
     await fleet.wait(tids, lambda st: st.turns >= 2, "two turns")
     for tid in tids:
         await fleet.client.send(tid, ControlAction.PAUSE, issuer="operator", check_known=False)
     await fleet.wait(tids, lambda st: st.hibernated, "hibernation")
+    await asyncio.sleep(3.0)  # the hibernated processes are gone (and done writing)
     client = aioredis.Redis.from_url(fleet.redis_url)
-    per: list[int] = []
-    entries: list[int] = []
     try:
-        for tid in tids:
-            keys = [log_key(tid), f"{LAUNCH_PREFIX}{tid}", status_key(tid), f"{NONCE_KEY_PREFIX}{tid}"]
-            per.append(sum([int(await client.memory_usage(k, samples=0) or 0) for k in keys]))
-            entries.append(int(await client.xlen(log_key(tid))))
+        costs = [await key_costs(client, tid) for tid in tids]
     finally:
         await client.aclose()
-    await asyncio.sleep(3.0)  # the hibernated processes are gone
     wake_s: list[float] = []
+    bare_s: list[float] = []
+    fold_s: list[float] = []
+    imports: list[dict[str, float]] = []
     for _ in range(rounds):
+        bare_s.append(bare_start_s(len(tids)))
+        await asyncio.sleep(1.0)
         started = time.perf_counter()
         launches = [load_launch(fleet.redis_url, tid) for tid in tids]
         actors = [ensure_actor(launch, fleet.adapters) for launch in launches if launch is not None]
@@ -458,12 +530,30 @@ async def hibernation(fleet: Fleet, h: int, rounds: int) -> dict[str, Any]:
         assert all(st["state"] == "PAUSED" for st in statuses), [st["state"] for st in statuses]
         stop_trajectories(tids)  # back to rest: the record stays in Redis
         await asyncio.sleep(3.0)
+        fold_s += await fold_times(fleet.redis_url, tids)
+        imports.append(import_s())
+    n = len(tids)
+    parts = ("log", "launch", "status", "nonces", "log_entries", "log_payload_bytes", "launch_bytes")
     return {
-        "bytes_per_trajectory": spread([float(b) for b in per], 0),
-        "log_entries_per_trajectory": spread([float(e) for e in entries], 1),
-        "wake_n": len(tids),
+        "bytes_per_trajectory": spread([float(c["total"]) for c in costs], 0),
+        "bytes_by_key": {p: spread([float(c[p]) for c in costs], 0) for p in parts},
+        "log_entries_per_trajectory": spread([float(c["log_entries"]) for c in costs], 1),
+        "wake_n": n,
         "wake_s": spread(wake_s, 3),
-        "wake_s_per_trajectory": round(statistics.median(wake_s) / len(tids), 3),
+        "wake_s_per_trajectory": round(statistics.median(wake_s) / n, 3),
+        "wake_breakdown": {
+            "bare_actors_start_s": spread(bare_s, 3),
+            "fold_s_per_trajectory": spread(fold_s, 4),
+            "import_ray_s": spread([i["ray"] for i in imports], 3),
+            "import_trajectory_actor_s": spread([i["actors.trajectory"] for i in imports], 3),
+            "what": (
+                "bare_actors_start_s: wake_n bare Ray actors created at once until each answered a call "
+                "(the process-start floor, same run); fold_s_per_trajectory: reading, decoding and folding "
+                "one hibernated log in the driver (no process start, imports or ports); import_*: a fresh "
+                "interpreter importing ray, then the trajectory actor's module (one at a time, so a lower "
+                "bound on what each woken worker spends before it can fold)"
+            ),
+        },
         "keys": ["tether:log:<id>", "tether:launch:<id>", "tether:status:<id>", "tether:nonces:<id>"],
     }
 
@@ -471,7 +561,7 @@ async def hibernation(fleet: Fleet, h: int, rounds: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- run
 
 
-async def services_part(s: Settings, workdir: Path, memory_only: bool = False) -> dict[str, Any]:
+async def services_part(s: Settings, workdir: Path, only: str | None = None) -> dict[str, Any]:
     from actors.relay import start_relays, stop_relays
     from cluster.redis_server import RedisServer
     from cluster.signing import Role, create_key
@@ -485,14 +575,17 @@ async def services_part(s: Settings, workdir: Path, memory_only: bool = False) -
     fleet = Fleet(server.url, provider.base_url, keyring)
     relays = start_relays(server.url, 2, adapters=fleet.adapters, config={"block_ms": 100})
     try:
-        progress(f"starting {s.live} live trajectories")
-        live = await live_trajectories(fleet, s.live)
-        stop_trajectories(live["tids"])
-        await asyncio.sleep(3.0)
-        progress("model-call hop")
-        hop = model_hop(provider.base_url, 50 if s.quick else 200)
+        live: dict[str, Any] | None = None
+        hop: dict[str, Any] | None = None
         hib: dict[str, Any] | None = None
-        if not memory_only:
+        if only in (None, "memory"):
+            progress(f"starting {s.live} live trajectories")
+            live = await live_trajectories(fleet, s.live)
+            stop_trajectories(live["tids"])
+            await asyncio.sleep(3.0)
+            progress("model-call hop")
+            hop = model_hop(provider.base_url, 50 if s.quick else 200)
+        if only in (None, "hibernation"):
             progress(f"hibernating {s.hibernated} trajectories")
             hib = await hibernation(fleet, s.hibernated, s.runs)
     finally:
@@ -501,6 +594,20 @@ async def services_part(s: Settings, workdir: Path, memory_only: bool = False) -
         provider.stop()
         server.stop()
     return {"live": live, "hibernated": hib, "hop": hop}
+
+
+def run_hibernation(s: Settings) -> dict[str, Any]:
+    """The hibernation part alone (``--only hibernation``)."""
+    from cluster.runner import start_local_ray
+
+    before = calibration()
+    start_local_ray(num_cpus=2)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
+            part = asyncio.run(services_part(s, Path(tmp), only="hibernation"))
+    finally:
+        ray.shutdown()
+    return {"runs": s.runs, "hibernated": part["hibernated"], **provenance(s.__dict__, before)}
 
 
 def run(s: Settings, memory_only: bool = False) -> dict[str, Any]:
@@ -521,7 +628,7 @@ def run(s: Settings, memory_only: bool = False) -> dict[str, Any]:
         for b in bares:
             ray.kill(b)
         with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
-            part = asyncio.run(services_part(s, Path(tmp), memory_only))
+            part = asyncio.run(services_part(s, Path(tmp), "memory" if memory_only else None))
     finally:
         ray.shutdown()
     live, hib = part["live"], part["hibernated"]
@@ -621,17 +728,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small and short, to check the benchmark works")
     parser.add_argument("--runs", type=int, default=None, help=f"repetitions (at least {MIN_RUNS})")
     parser.add_argument(
-        "--only", choices=["memory"], default=None, help="memory: part 2 alone (node_capacity.memory.json)"
+        "--only",
+        choices=["memory", "hibernation"],
+        default=None,
+        help="run one part alone; writes node_capacity.<part>.json beside (never over) the headline file",
     )
     parser.add_argument("--live", type=int, default=None, help="live trajectory actors probed for memory")
+    parser.add_argument("--hibernated", type=int, default=None, help="trajectories hibernated and woken")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     if args.runs is not None:
         settings = Settings(**{**settings.__dict__, "runs": max(MIN_RUNS, args.runs)})
     if args.live is not None:
         settings = Settings(**{**settings.__dict__, "live": max(1, args.live)})
-    result = run(settings, memory_only=args.only == "memory")
+    if args.hibernated is not None:
+        if args.hibernated < 1:
+            parser.error("--hibernated must be >= 1")
+        settings = Settings(**{**settings.__dict__, "hibernated": args.hibernated})
     out = result_path(NAME, settings.quick)
+    if args.only == "hibernation":
+        result = run_hibernation(settings)
+        out = out.with_name(f"{out.stem}.hibernation.json")
+        write_json(out.stem, result, out.parent)
+        print(out)
+        print(result["hibernated"])
+        return
+    result = run(settings, memory_only=args.only == "memory")
     if args.only is not None:
         out = out.with_name(f"{NAME}.{args.only}.json")
     write_json(out.stem, result, out.parent)

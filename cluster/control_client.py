@@ -33,6 +33,7 @@ from runtime.clock import Clock, SystemClock
 from runtime.codec import decode as decode_event_bytes
 from runtime.errors import InputError
 from runtime.events import ToolCallHeld
+from runtime.snapshot import decode_snapshot, is_snapshot
 
 __all__ = [
     "LAUNCH_PREFIX",
@@ -430,15 +431,22 @@ class ControlClient:
         return sorted(out, key=lambda h: (h.expires_at or float("inf"), h.trajectory_id))
 
     async def _held_arguments(self, trajectory_id: str, digest: str, *, scan: int = 200) -> str:
-        """Arguments of the newest ``ToolCallHeld`` with ``digest`` among the last ``scan`` log entries."""
+        """Arguments of the newest ``ToolCallHeld`` with ``digest`` among the last ``scan`` log entries, or of
+        the held call in the record snapshot a hibernated trajectory compacted its log to."""
         with redis_errors(self._url, f"reading the log of {trajectory_id!r}"):
             entries = cast(
                 list[tuple[bytes, dict[bytes, bytes]]],
                 await self._client.xrevrange(log_key(trajectory_id), count=scan),
             )
         for _, fields in entries:
+            payload = (fields or {}).get(LOG_FIELD, b"")
             try:
-                event = decode_event_bytes((fields or {}).get(LOG_FIELD, b""))
+                if is_snapshot(payload):  # older entries are covered by it: the record decides
+                    held = decode_snapshot(payload).held
+                    if held is not None and held.digest == digest:
+                        return _summary(json.dumps(dict(held.arguments), default=str))
+                    return ""
+                event = decode_event_bytes(payload)
             except InputError:
                 continue
             if isinstance(event, ToolCallHeld) and event.digest == digest:

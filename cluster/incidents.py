@@ -34,8 +34,6 @@ from cluster.log_store import RedisLogStore
 from cluster.supervision_store import RedisSupervisionStore
 from runtime.codec import decode
 from runtime.errors import CodecError, InputError
-from runtime.events import Event
-from runtime.fold import fold
 from runtime.incident import (
     Restriction,
     RestrictionKind,
@@ -45,6 +43,7 @@ from runtime.incident import (
 )
 from runtime.policy import TrajectoryPolicy
 from runtime.record import TrajectoryRecord
+from runtime.snapshot import fold_entries, is_snapshot
 
 __all__ = ["IncidentError", "Incidents", "Member", "Selector", "new_incident_id"]
 
@@ -134,17 +133,19 @@ class Incidents:
     async def member(self, trajectory_id: str, launch: TrajectoryLaunch | None) -> Member:
         """Read a member's log and fold it; what could not be read is a capture omission."""
         omissions: list[str] = []
-        events: list[Event] = []
         entries = await self.logs.read(trajectory_id)
         if not entries:
             omissions.append(f"{trajectory_id}: no durable log")
+        readable: list[tuple[str, bytes]] = []
         for entry_id, payload in entries:
             try:
-                events.append(decode(payload))
+                if not is_snapshot(payload):
+                    decode(payload)
+                readable.append((entry_id, payload))
             except CodecError as e:
                 omissions.append(f"{trajectory_id}: log entry {entry_id} does not decode ({e})")
         record = None
-        if events:
+        if readable:
             policy = TrajectoryPolicy()
             if launch is not None:
                 from actors.wiring import build_policy, build_registry
@@ -154,7 +155,7 @@ class Incidents:
                 except InputError as e:
                     omissions.append(f"{trajectory_id}: its tools could not be rebuilt ({e})")
             try:
-                record = fold(events, policy)
+                record = fold_entries(readable, policy)
             except InputError as e:
                 omissions.append(f"{trajectory_id}: its log does not fold ({e})")
         if await self.client.status(trajectory_id) is None:

@@ -24,6 +24,11 @@ carries a batch id, stored in every entry it writes (field ``b``), and is writte
 that first looks for that batch id among the stream's newest entries: a retry of a batch that already
 landed returns the ids it got the first time instead of appending again. The script runs atomically,
 so a batch is in the log whole or not at all.
+
+Compaction. A hibernating trajectory appends its record as one snapshot entry (an opaque payload like any
+other: ``runtime.snapshot``) and then calls ``trim(id)``, ``XTRIM MINID`` exactly at the snapshot's id, so
+only entries the snapshot covers are removed. Readers fold the newest snapshot plus the entries after it
+(``runtime.snapshot.fold_entries``); a trim that never ran leaves a longer log that folds the same.
 """
 
 from __future__ import annotations
@@ -296,6 +301,18 @@ class RedisLogStore:
                 if len(page) < _READ_BATCH:
                     return out
                 start = f"({_text(page[-1][0])}"
+
+    async def trim(self, trajectory_id: str, before: str) -> int:
+        """Remove every entry older than ``before`` (``XTRIM MINID``, exact: the entry itself stays);
+        returns how many were removed. Only ever called behind a durable record snapshot at ``before``."""
+        key = log_key(trajectory_id)
+        parse_entry_id(before, where="before")
+
+        async def once() -> int:
+            with redis_errors(self._url, f"trimming {key}"):
+                return int(await self._client.xtrim(key, minid=before, approximate=False))
+
+        return await self._ride_out(f"trimming {key}", once)
 
     async def exists(self, trajectory_id: str) -> bool:
         """Whether the trajectory has a log (a stream with at least one entry)."""

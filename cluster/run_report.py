@@ -20,6 +20,7 @@ from actors.status import status_key
 from cluster.log_store import RedisLogStore
 from runtime.codec import decode
 from runtime.events import HandoffWritten
+from runtime.snapshot import decode_snapshot, is_snapshot
 
 __all__ = ["handoff_packets", "ledger_summary", "read_handoffs", "read_ledger"]
 
@@ -78,6 +79,10 @@ async def handoff_packets(
                 continue
             packet = None
             for _, payload in await store.read(tid):
+                if is_snapshot(payload):  # a compacted log: the record keeps the last packet
+                    handoff = decode_snapshot(payload).handoff
+                    packet = dict(handoff) if handoff is not None else None
+                    continue
                 event = decode(payload)
                 if isinstance(event, HandoffWritten):
                     packet = dict(event.packet)

@@ -881,14 +881,13 @@ class Driver:
         from actors.status import summarize
         from actors.wiring import build_policy, build_registry
         from cluster.log_store import RedisLogStore
-        from runtime.codec import decode
-        from runtime.fold import fold
+        from runtime.snapshot import fold_entries
 
         trajectory_id = launch.trajectory_id
         store = RedisLogStore(client, url=self.redis_url, outage_s=self.outage_budget_s)
         try:
-            events = [decode(payload) for _, payload in await store.read(trajectory_id)]
-            return summarize(fold(events, build_policy(launch, build_registry(launch))))
+            entries = await store.read(trajectory_id)
+            return summarize(fold_entries(entries, build_policy(launch, build_registry(launch))))
         except Exception as e:  # a view: the snapshot says almost as much
             _log.warning("traj:%s: summary from its status snapshot (log not folded: %s)", trajectory_id, e)
             return _summary_of(await self._status(client, trajectory_id))

@@ -29,7 +29,7 @@ import msgpack
 from runtime.errors import CodecError
 from runtime.events import EVENT_TYPES, Event
 
-__all__ = ["SCHEMA_VERSION", "decode", "encode"]
+__all__ = ["SCHEMA_VERSION", "decode", "decode_value", "encode", "encode_value", "field_types"]
 
 SCHEMA_VERSION = 1
 """Bumped whenever an event's fields change meaning; older logs then need an explicit migration."""
@@ -47,6 +47,26 @@ def _field_types(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
 
 
+def field_types(cls: type, localns: Mapping[str, Any] | None = None) -> tuple[tuple[str, Any], ...]:
+    """The ``(name, type)`` of each constructor field of a value dataclass, as the codec resolves them
+    (``localns``: names its annotations use that its module imports only for type checking)."""
+    if localns is None:
+        return _field_types(cls)
+    hints = typing.get_type_hints(cls, localns={"JsonValue": _Json, **localns})
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+
+
+def encode_value(tp: Any, value: Any, path: str) -> Any:
+    """``value`` of declared type ``tp`` as msgpack-ready data, by the rules events are encoded with
+    (``object`` and ``Any`` hold JSON values). ``CodecError`` names ``path`` and below."""
+    return _encode(tp, value, path)
+
+
+def decode_value(tp: Any, raw: Any, path: str) -> Any:
+    """The inverse of ``encode_value``, validating as ``decode`` does."""
+    return _decode(tp, raw, path)
+
+
 # --------------------------------------------------------------------------- encode
 
 
@@ -62,7 +82,7 @@ def encode(event: Event) -> bytes:
 
 
 def _encode(tp: Any, value: Any, path: str) -> Any:
-    if tp is _Json:
+    if tp is _Json or tp is object or tp is Any:
         return _encode_json(value, path, 0)
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
@@ -158,7 +178,7 @@ def _exact_keys(
 
 
 def _decode(tp: Any, value: Any, path: str) -> Any:
-    if tp is _Json:
+    if tp is _Json or tp is object or tp is Any:
         return _decode_json(value, path, 0)
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):

@@ -43,11 +43,11 @@ def check_trajectory_id(trajectory_id: str) -> str:
     return trajectory_id
 
 
-def parse_entry_id(entry_id: str) -> tuple[int, int]:
+def parse_entry_id(entry_id: str, where: str = "after") -> tuple[int, int]:
     """``"<ms>-<seq>"`` as a comparable pair, or ``InputError`` naming the bad id."""
     match = _ENTRY_ID.fullmatch(entry_id) if isinstance(entry_id, str) else None
     if match is None:
-        raise InputError(f"log entry id must look like '<int>-<int>', got {entry_id!r}", where="after")
+        raise InputError(f"log entry id must look like '<int>-<int>', got {entry_id!r}", where=where)
     return int(match.group(1)), int(match.group(2))
 
 
@@ -99,6 +99,17 @@ class MemoryLogStore:
         self._check_available()
         entries = self._logs.get(trajectory_id, [])
         return [(f"{k[0]}-{k[1]}", data) for k, data in entries if floor is None or k > floor]
+
+    async def trim(self, trajectory_id: str, before: str) -> int:
+        """Drop every entry older than ``before`` (the entry itself stays, as does everything after it)."""
+        check_trajectory_id(trajectory_id)
+        floor = parse_entry_id(before, where="before")
+        self._check_available()
+        entries = self._logs.get(trajectory_id, [])
+        kept = [(k, data) for k, data in entries if k >= floor]
+        if trajectory_id in self._logs:
+            self._logs[trajectory_id] = kept
+        return len(entries) - len(kept)
 
     async def exists(self, trajectory_id: str) -> bool:
         """Whether the trajectory has at least one entry."""

@@ -266,6 +266,11 @@ class LogStore(Protocol):
 
     async def exists(self, trajectory_id: str) -> bool: ...
 
+    async def trim(self, trajectory_id: str, before: str) -> int:
+        """Remove every entry older than the entry ``before`` (which stays); returns how many went. Used
+        only after a record snapshot was appended durably at ``before`` (``runtime.snapshot``)."""
+        ...
+
 
 # --------------------------------------------------------------------------- admission (scheduler)
 

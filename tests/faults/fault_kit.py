@@ -35,7 +35,7 @@ from runtime.record import TrajectoryRecord
 from testbed.provider import ProviderThread
 from testbed.tools import LedgerSnapshot, Testbed, TestbedClient
 from tests.faults.mutations import MutatedAdapters
-from tests.integration.trajectory_kit import events_of, make_launch
+from tests.integration.trajectory_kit import events_of, make_launch, record_of
 
 __all__ = [
     "Run",
@@ -196,12 +196,13 @@ class Run:
     """One trajectory's end, as the judges see it."""
 
     summary: dict[str, Any]
-    events: list[Event]
+    events: list[Event]  # after the record snapshot, if the trajectory hibernated (and compacted its log)
     book: LedgerSnapshot
+    folded: TrajectoryRecord | None = None  # the record of the whole log, snapshot or not
 
     @property
     def record(self) -> TrajectoryRecord:
-        return fold(self.events)
+        return self.folded if self.folded is not None else fold(self.events)
 
     def keys(self, tool: str) -> set[str]:
         """Effect keys the log says were dispatched for ``tool``."""
@@ -212,4 +213,5 @@ async def ended(
     handle: Any, trajectory_id: str, redis_url: str, testbed: Testbed, timeout_s: float = 120.0
 ) -> Run:
     summary = await finish(handle, timeout_s)
-    return Run(summary, await events_of(redis_url, trajectory_id), await book(testbed))
+    events = await events_of(redis_url, trajectory_id)
+    return Run(summary, events, await book(testbed), await record_of(redis_url, trajectory_id))

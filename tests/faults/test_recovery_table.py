@@ -38,7 +38,7 @@ from breakers.guard import NAMESPACE as GUARD_NAMESPACE
 from breakers.guard import GuardHandle, actor_name
 from breakers.scope_guard import GuardSnapshot
 from cluster.redis_server import RedisServer
-from runtime.events import OperationSettled, ToolCallCancelled, ToolCallHeld, ToolDispatchIntent
+from runtime.events import OperationSettled, ToolCallCancelled
 from runtime.obligations import ObligationState
 from runtime.ports import Settlement
 from runtime.states import TrajectoryState
@@ -541,10 +541,10 @@ async def test_suspect_content_inducing_a_forbidden_proposal_during_unresolved_w
     run = await ended(handle, tid, redis_url, testbed)
     sent = [d for d in run.book.deliveries if d.tool == "send_notification"]
     # (send_notification is irreversible: it waits at the approval gate first; one click would send it)
-    forwarded = [
-        e
-        for e in run.events
-        if isinstance(e, ToolCallHeld | ToolDispatchIntent) and e.tool == "send_notification"
+    # Judged on the record: the trajectory hibernates, and its log is compacted to a record snapshot
+    held, operations = run.record.held, run.record.operations.values()
+    forwarded = [h for h in (held,) if h is not None and h.tool == "send_notification"] + [
+        op for op in operations if op.tool == "send_notification"
     ]
     if mutation is not None:
         # (control) without the rule the proposal goes on to the approval gate: the judge below fails

@@ -33,7 +33,6 @@ from cluster.control_client import ControlClient, TrajectoryStatus
 from cluster.log_store import RedisLogStore
 from cluster.signing import Role, create_key, sign
 from runtime.budget import Dimension
-from runtime.codec import decode
 from runtime.events import (
     ApprovalDecided,
     ControlApplied,
@@ -48,8 +47,8 @@ from runtime.events import (
     ToolDispatchIntent,
     TrajectoryCreated,
 )
-from runtime.fold import fold
 from runtime.record import TrajectoryRecord
+from runtime.snapshot import events_after_snapshot, fold_entries
 from runtime.states import TrajectoryState
 from testbed.provider.config import ProviderConfig
 from testbed.provider.launch import ProviderThread, start_provider_thread
@@ -139,15 +138,17 @@ class Plane:
 
     async def events(self, tid: str) -> list[Event]:
         async with RedisLogStore.from_url(self.url) as store:
-            return [decode(payload) for _, payload in await store.read(tid)]
+            return events_after_snapshot(await store.read(tid))  # a hibernated log: after its snapshot
 
     async def record(self, tid: str) -> TrajectoryRecord:
-        return fold(await self.events(tid))
+        async with RedisLogStore.from_url(self.url) as store:
+            return fold_entries(await store.read(tid))
 
     async def record_if_started(self, tid: str) -> TrajectoryRecord | None:
         """The record, or None while the actor has not written its first event yet."""
-        events = await self.events(tid)
-        return fold(events) if events else None
+        async with RedisLogStore.from_url(self.url) as store:
+            entries = await store.read(tid)
+        return fold_entries(entries) if entries else None
 
     async def state(self, tid: str, *states: TrajectoryState, timeout_s: float = 120.0) -> TrajectoryRecord:
         """Wait until the record (the folded log, not a view) is in one of ``states``."""
@@ -300,6 +301,7 @@ async def test_bad_messages_are_rejected_audited_and_change_nothing_else(plane: 
     await plane.client.pause(tid, issuer="alice")
     await plane.state(tid, S.PAUSED)
     before = await plane.events(tid)
+    spent = (await plane.record(tid)).spend
     if how == "REPLAYED":
         # a validly signed message that reuses the nonce of one already accepted (pause above)
         first = next(e for e in kinds(before, ControlRequested))
@@ -320,8 +322,8 @@ async def test_bad_messages_are_rejected_audited_and_change_nothing_else(plane: 
     assert after[: len(before)] == before
     added = after[len(before) :]
     assert added == [ControlRejected(bad.message_id, how, added[0].detail)]  # type: ignore[union-attr]
-    rec = fold(after)
-    assert rec.state is S.PAUSED and rec.pending_control == () and rec.spend == fold(before).spend
+    rec = await plane.record(tid)
+    assert rec.state is S.PAUSED and rec.pending_control == () and rec.spend == spent
 
 
 async def _nonce_of(plane: Plane, tid: str, message_id: str) -> str:
@@ -439,9 +441,15 @@ async def test_hibernated_trajectory_wakes_on_control_with_budgets_intact(plane:
         tid = plane.launch("irreversible:sleep", **approval_launch(hibernate_after_s=1.0))
     asleep = await plane.status(tid, lambda s: s.hibernated, "hibernation")
     await eventually(lambda: _async(not plane.actor_alive(tid)), "the actor to exit")
-    before_events = await plane.events(tid)
-    before, before_count = fold(before_events), len(before_events)
+    # the hibernated actor compacted its log: the record is its snapshot, the events are those after it
+    before, before_count = await plane.record(tid), len(await plane.events(tid))
     assert before.spend.get(Dimension.TOKENS) > 0
+    if wake == "approve":
+        # the held call survives compaction; `tether pending` still shows its arguments (from the snapshot)
+        assert before.held is not None and asleep.held is not None
+        assert before.held.digest == asleep.held.digest
+        (listed,) = [h for h in await plane.client.pending() if h.trajectory_id == tid]
+        assert '"seconds"' in listed.arguments
 
     # When the control message arrives (the relay re-creates the actor from its launch record)
     if wake == "resume":
@@ -457,7 +465,7 @@ async def test_hibernated_trajectory_wakes_on_control_with_budgets_intact(plane:
     # is what it had before hibernating plus exactly what was charged after waking
     events = await plane.events(tid)
     assert final_state.state is S.COMPLETED
-    assert len(kinds(events, TrajectoryCreated)) == 1
+    assert not kinds(events[before_count:], TrajectoryCreated)
     assert final_state.ceilings == before.ceilings
     later = kinds(events[before_count:], ModelCallSettled, ModelCallCancelled)
     assert later, "no model call after waking"

@@ -65,13 +65,14 @@ from runtime.events import (
 from runtime.fold import fold
 from runtime.ports import Settlement
 from runtime.record import ApprovalDecision, QueueStage, TimerKind, TrajectoryRecord
+from runtime.snapshot import fold_entries, is_snapshot
 from runtime.states import ExitReason, TrajectoryState
 from runtime.watchdog import WatchdogConfig
 from testbed.provider import ProviderConfig, ProviderThread, start_provider_thread
 from testbed.tools import FaultMode, FaultPlan, LedgerSnapshot, Testbed, TestbedClient, start_testbed
 from tests.faults.fault_kit import book, dispatched, in_tool_call, launch, unique, until_logged
 from tests.integration.defect_switches import SwitchedAdapters
-from tests.integration.trajectory_kit import CEILINGS, MODEL, events_of, make_launch
+from tests.integration.trajectory_kit import CEILINGS, MODEL, events_of, make_launch, record_of
 
 pytestmark = [
     pytest.mark.integration,
@@ -185,18 +186,23 @@ class World:
         return await events_of(self.redis_url, tid)
 
     async def record(self, tid: str) -> TrajectoryRecord:
-        return fold(await self.events(tid))
+        return await record_of(self.redis_url, tid)  # a hibernated log: its snapshot plus what followed
 
     async def record_if_started(self, tid: str) -> TrajectoryRecord | None:
         """The record, or None while the actor has not written its first event yet."""
-        events = await self.events(tid)
-        return fold(events) if events else None
+        async with RedisLogStore.from_url(self.redis_url) as store:
+            entries = await store.read(tid)
+        return fold_entries(entries) if entries else None
 
     async def timed_events(self, tid: str) -> list[tuple[float, Event]]:
         """The durable log with each entry's append time: its stream id, milliseconds on Redis's clock."""
         async with RedisLogStore.from_url(self.redis_url) as store:
             entries = await store.read(tid)
-        return [(int(entry_id.split("-")[0]) / 1000.0, decode(payload)) for entry_id, payload in entries]
+        return [
+            (int(entry_id.split("-")[0]) / 1000.0, decode(payload))
+            for entry_id, payload in entries
+            if not is_snapshot(payload)
+        ]
 
     async def state(self, tid: str, *states: TrajectoryState, timeout_s: float = WAIT_S) -> TrajectoryRecord:
         """Wait until the folded log is in one of ``states`` (or terminal, which no wait outlives)."""
@@ -342,8 +348,8 @@ async def test_a_hibernated_paused_trajectory_is_woken_by_its_durable_deadline_a
         world.kill(tid)
     else:
         pytest.fail("could not hibernate a paused trajectory before its deadline on this machine")
-    events = await world.events(tid)
-    (timer,) = [t for t in kinds(events, TimerStarted) if t.timer_kind is TimerKind.DEADLINE]
+    # (from the record: the hibernated actor compacted its log, TimerStarted included, to a snapshot)
+    (timer,) = [t for t in paused.timers.values() if t.kind is TimerKind.DEADLINE]
 
     # When its deadline falls due while nobody is around
     timers = RedisTimerStore.from_url(world.redis_url)

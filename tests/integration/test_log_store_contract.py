@@ -16,10 +16,14 @@ import redis
 from cluster import embedded
 from cluster.embedded import EmbeddedRedis, redis_url_from_env, stop_embedded
 from cluster.log_store import DEFAULT_OUTAGE_S, OUTAGE_ENV, RedisLogStore, outage_budget_from_env
-from cluster.redis_server import RedisServer, free_port
+from cluster.redis_server import STREAM_NODE_MAX_BYTES, RedisServer, free_port
+from runtime.codec import decode, encode
 from runtime.errors import DependencyError, InputError
+from runtime.fold import fold
 from runtime.memstore import MemoryLogStore, parse_entry_id
 from runtime.ports import LogStore
+from runtime.record import TrajectoryRecord
+from runtime.snapshot import encode_snapshot, fold_entries
 from tests.integration.redis_proxy import ReplyEater
 
 pytestmark = pytest.mark.integration
@@ -175,7 +179,78 @@ async def test_a_payload_that_is_not_bytes_is_refused(store: ListingStore) -> No
     assert await store.exists("t") is False
 
 
+# --------------------------------------------------------------------------- compaction (both stores)
+
+
+def _hibernating_log() -> tuple[list[bytes], TrajectoryRecord]:
+    """A trajectory's log up to an approval wait: a model call's spend, then a held call."""
+    from tests.unit.runtime.scenario import Log
+
+    log = Log()
+    log.call_model()
+    log.hold()
+    return [encode(e) for e in log.events], log.record
+
+
+async def test_trim_removes_only_the_entries_older_than_the_given_one(store: ListingStore) -> None:
+    # Given five entries
+    ids = [await store.append("t-trim", f"e{i}".encode()) for i in range(5)]
+    # When trimmed before the fourth
+    removed = await store.trim("t-trim", ids[3])
+    # Then the first three are gone, the fourth and fifth stay under their ids, and appends go on after them
+    assert removed == 3
+    later = await store.append("t-trim", b"e5")
+    assert await store.read("t-trim") == [(ids[3], b"e3"), (ids[4], b"e4"), (later, b"e5")]
+    assert await store.exists("t-trim")
+    assert await store.trim("t-trim", ids[3]) == 0  # again: nothing older is left
+
+
+async def test_a_malformed_trim_id_is_refused_by_name(store: ListingStore) -> None:
+    await store.append("t-trim-bad", b"e")
+    with pytest.raises(InputError, match="before"):
+        await store.trim("t-trim-bad", "latest")
+    assert len(await store.read("t-trim-bad")) == 1
+
+
+async def test_a_compacted_log_folds_to_the_record_of_the_whole_log(store: ListingStore) -> None:
+    # Given a trajectory's log, compacted as a hibernating actor does it (snapshot appended, then the trim)
+    payloads, record = _hibernating_log()
+    await store.append_many("t-compact", payloads)
+    [snapshot_id] = await store.append_many("t-compact", [encode_snapshot(record)])
+    await store.trim("t-compact", snapshot_id)
+    # When a woken incarnation reads it and folds it, and then appends on
+    entries = await store.read("t-compact")
+    # Then one entry is left, and it folds to the same record (spend, operations, the held call)
+    assert len(entries) == 1
+    woken = fold_entries(entries)
+    assert woken == record and woken.spend == record.spend and woken.held == record.held
+
+
+async def test_a_crash_between_snapshot_and_trim_loses_nothing(store: ListingStore) -> None:
+    # Given the snapshot appended but the trim never run (the actor died in between)
+    payloads, record = _hibernating_log()
+    await store.append_many("t-crash", payloads)
+    await store.append_many("t-crash", [encode_snapshot(record)])
+    # Then the log still folds to the record, the covered entries ignored rather than applied twice
+    entries = await store.read("t-crash")
+    assert len(entries) == len(payloads) + 1
+    assert fold_entries(entries) == record == fold([decode(p) for p in payloads])
+
+
 # --------------------------------------------------------------------------- Redis specifics
+
+
+def test_tethers_redis_uses_small_stream_nodes(redis_url: str) -> None:
+    # A stream node is allocated whole: 2 KB nodes keep a compacted log (one snapshot entry) small
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        node_bytes = raw.config_get("stream-node-max-bytes")["stream-node-max-bytes"]
+        raw.xadd("tether:log:t-node", {"e": b"x" * 2000})
+        one_entry = raw.memory_usage("tether:log:t-node", samples=0)
+    finally:
+        raw.close()
+    assert node_bytes == str(STREAM_NODE_MAX_BYTES)
+    assert one_entry is not None and one_entry < 4096  # a 4 KB node (Redis's default) would not fit
 
 
 async def test_entries_live_in_the_documented_stream_key_and_field(redis_url: str) -> None:

@@ -14,10 +14,9 @@ from actors.status import status_key
 from actors.trajectory import ensure_actor
 from cluster.adapters import ClusterAdapters
 from cluster.log_store import RedisLogStore
-from runtime.codec import decode
 from runtime.events import Event
-from runtime.fold import fold
 from runtime.record import TrajectoryRecord
+from runtime.snapshot import events_after_snapshot, fold_entries
 
 MODEL = "tether-sim"
 CEILINGS = {"turns": 12, "tokens": 60_000, "wall_seconds": 300, "dollars": 1.0}
@@ -64,14 +63,16 @@ def start(launch: TrajectoryLaunch) -> Any:
 
 
 async def events_of(redis_url: str, trajectory_id: str) -> list[Event]:
-    """The trajectory's durable log, decoded (the judge of what the harness did)."""
+    """The trajectory's durable log, decoded (the judge of what the harness did): its events after the newest
+    record snapshot (all of them unless it hibernated and compacted its log)."""
     async with RedisLogStore.from_url(redis_url) as store:
-        return [decode(payload) for _, payload in await store.read(trajectory_id)]
+        return events_after_snapshot(await store.read(trajectory_id))
 
 
 async def record_of(redis_url: str, trajectory_id: str) -> TrajectoryRecord:
     """The record folded from the durable log (what any restarted actor would rebuild)."""
-    return fold(await events_of(redis_url, trajectory_id))
+    async with RedisLogStore.from_url(redis_url) as store:
+        return fold_entries(await store.read(trajectory_id))
 
 
 async def wait_for_status(

@@ -238,3 +238,34 @@ async def test_an_effect_stopped_for_recovery_never_has_its_result_decided() -> 
     after = [type(e).__name__ for e in hooks.seen[before:]]
     assert "ToolCallCancelled" in after and "LateResultDropped" not in after, after
     await interp.close()
+
+
+async def _recovered(log: MemoryLogStore) -> TrajectoryRecord:
+    """The record a new incarnation has after folding ``log`` and deciding ``Recovered``."""
+    ports = InterpreterPorts(
+        model=OneCallModel(), tools=HangingTools(), log=log, admission=OpenAdmission(), clock=FakeClock()
+    )
+    woken = Interpreter("t1", policy(), ports)
+    record = await woken.recover()
+    await woken.close()
+    return record
+
+
+async def test_a_compacted_log_wakes_to_the_record_the_whole_log_gives() -> None:
+    # Given a trajectory with a tool call in flight (spend charged, an operation unsettled), and a copy of
+    # its whole log
+    interp, log, _, _ = await _waiting_on_a_tool()
+    whole = MemoryLogStore()
+    await whole.append_many("t1", [payload for _, payload in await log.read("t1")])
+    before = interp.record
+    # When it compacts its log (as a hibernating actor does) and a new incarnation recovers from each log
+    assert await interp.compact()
+    await interp.close()
+    entries = await log.read("t1")
+    from_snapshot = await _recovered(log)
+    from_whole = await _recovered(whole)
+    # Then one snapshot entry is left, it holds the live record, and both incarnations decide the same
+    assert len(entries) == 1
+    assert from_snapshot == from_whole
+    assert from_snapshot.spend == before.spend and from_snapshot.turn_count == before.turn_count
+    assert from_snapshot.operations.keys() == before.operations.keys()

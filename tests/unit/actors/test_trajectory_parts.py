@@ -51,6 +51,19 @@ def test_launch_round_trips_through_json_and_bad_json_names_the_field() -> None:
         TrajectoryLaunch.from_json(original.to_json().replace('"turns":5.0', '"turns":-1'))
 
 
+def test_a_stored_launch_is_compressed_and_reads_back_exactly() -> None:
+    # Given a launch as save_launch stores it, and one stored as plain JSON (before compression)
+    original = launch()
+    stored = original.to_stored()
+    # Then it is smaller than its JSON, and both read back as the same launch
+    assert len(stored) < len(original.to_json())
+    assert TrajectoryLaunch.from_json(stored) == original
+    assert TrajectoryLaunch.from_json(original.to_json().encode()) == original
+    # and a truncated one is a CodecError naming the key, not a zlib error
+    with pytest.raises(CodecError, match="tether:launch:x"):
+        TrajectoryLaunch.from_json(stored[:10], where="tether:launch:x")
+
+
 def test_creation_event_is_a_pure_function_of_the_launch() -> None:
     # Given the same launch built twice (a re-created actor) / When its creation event is derived
     registry = build_registry(launch())
