@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[3]
 NOT_LOADED = ("openai", "grpc", "cryptography.hazmat.primitives.asymmetric.ed25519", "cluster.signing")
 
 
-def loaded_by(*modules: str) -> set[str]:
+def loaded_by(*modules: str, then: str = "") -> set[str]:
     code = (
         "import importlib, json, sys\n"
         f"for m in {list(modules)!r}: importlib.import_module(m)\n"
+        f"{then}\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run(
@@ -39,6 +40,10 @@ def test_a_trajectory_actor_process_loads_no_provider_sdk_no_grpc_and_no_signatu
 
 
 def test_the_in_process_adapter_and_the_grpc_port_still_load_them_when_asked() -> None:
-    # the control: the names checked above are the ones these modules really pull in
-    loaded = loaded_by("actors.model_openai", "actors.tools_grpc", "cluster.signing")
+    # the control: the names checked above are the ones these modules really pull in (the in-process
+    # adapter builds its openai client on its first call)
+    first_call = (
+        "from actors.model_openai import OpenAIModel; OpenAIModel(base_url='http://127.0.0.1:9')._api()"
+    )
+    loaded = loaded_by("actors.model_openai", "actors.tools_grpc", "cluster.signing", then=first_call)
     assert [m for m in NOT_LOADED if m not in loaded] == []
