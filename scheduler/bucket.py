@@ -204,22 +204,24 @@ class ProviderLimiter:
 
     def can_lease(self, tokens: int, requests: int, now: float, slack: float) -> bool:
         """Whether a chunk of ``tokens`` and ``requests`` fits while leaving room for turns admitted
-        one by one: ``slack`` of each bucket's capacity stays in the bucket, and the chunk takes at most
-        ``1 - slack`` of what is left in each window and sub-window. Never while the key is paused or
-        slowed by a 429: then every turn goes through DRR one by one."""
+        one by one: it takes at most ``1 - slack`` of what is left in each bucket, window and sub-window
+        (so chunks shrink as the key fills up). Never while the key is paused or slowed by a 429: then
+        every turn goes through DRR one by one."""
         self.advance(now)
         share = 1.0 - slack
-        windows = [(self.token_window, tokens), (self.request_window, requests)]
-        if self.sub_token_window is not None:
-            windows.append((self.sub_token_window, tokens))
-        if self.sub_request_window is not None:
-            windows.append((self.sub_request_window, requests))
+        rooms = [
+            (self.tokens.level(now), tokens),
+            (self.requests.level(now), requests),
+            (self.token_window.capacity - self.token_window.used(now), tokens),
+            (self.request_window.capacity - self.request_window.used(now), requests),
+        ]
+        for window, amount in ((self.sub_token_window, tokens), (self.sub_request_window, requests)):
+            if window is not None:
+                rooms.append((window.capacity - window.used(now), amount))
         return (
             now >= self.blocked_until
             and self.rate_factor >= 1.0
-            and self.tokens.covers(tokens + slack * self.tokens.capacity, now)
-            and self.requests.covers(requests + slack * self.requests.capacity, now)
-            and all(amount <= share * (w.capacity - w.used(now)) + _EPS for w, amount in windows)
+            and all(amount <= share * room + _EPS for room, amount in rooms)
         )
 
     def lease(self, tokens: int, requests: int, now: float, use_by: float) -> tuple[int, int, int]:

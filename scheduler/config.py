@@ -103,8 +103,9 @@ class LeaseConfig(_Frozen):
     """Chunk leases (``scheduler.lease``): a process with several turns to admit at once takes a chunk
     of requests and tokens and admits from it locally, with no call to the scheduler per turn.
 
-    Only while the key is uncontended: nobody queued in DRR, no 429 pause or slow-down, and ``slack`` of
-    every bucket and window left after the chunk. Otherwise each turn is admitted on its own, in DRR order.
+    Only while the key is uncontended: nobody queued in DRR, no 429 pause or slow-down, and the chunk
+    takes at most ``1 - slack`` of what is left in every bucket and window. Otherwise each turn is
+    admitted on its own, in DRR order.
     """
 
     max_requests: PositiveInt = 32  # the largest chunk, in requests

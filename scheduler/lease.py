@@ -12,7 +12,8 @@ What the scheduler still guarantees (``SchedulerCore.lease_turns``, ``ProviderLi
   once, dated ``use_by`` in the windows (its requests may reach the provider until then), so tokens/min,
   requests/min and every sub-window stay within the limit across all chunks and single admissions.
 - **Fairness.** A chunk is granted only while the key is uncontended: nobody waits in DRR, the key is not
-  paused or slowed by a 429, and ``slack`` of every bucket and window is left after it. Under contention
+  paused or slowed by a 429, and it takes at most ``1 - slack`` of what is left in every bucket and
+  window (halved until it does). Under contention
   the request falls back to a single admission in DRR order, and a chunk already out lasts at most
   ``use_s``: a batch process cannot hold back an interactive turn for longer.
 - **Settlement.** A local grant settles into its chunk (refund or debit); the chunk is returned with the

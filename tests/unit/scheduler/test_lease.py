@@ -50,8 +50,8 @@ def full_core(clock: FakeClock, cfg: SchedulerConfig | None = None) -> Scheduler
         ("uncontended: the chunk asked for", 8, 100, 8),
         ("capped at max_requests", 500, 100, 32),
         ("a lone turn is never leased", 1, 100, None),
-        ("halved until slack is left: 32 x 1000 > 60,000 - 30,000 keep", 32, 1_000, 16),
-        ("no chunk leaves the slack: 2 x 20,000 > 30,000", 2, 20_000, None),
+        ("halved to at most half the bucket: 32 x 1000 > 60,000 / 2", 32, 1_000, 16),
+        ("no chunk of two fits half the bucket: 2 x 20,000 > 30,000", 2, 20_000, None),
     ],
 )
 def test_chunk_size(case: str, want: int, tokens: int, expected_requests: int | None) -> None:
@@ -317,11 +317,9 @@ async def test_chunks_never_over_grant_the_limit_across_many_holders(
 
     # When they run for 10 simulated seconds
     tasks = [asyncio.ensure_future(loop(p, c)) for p, c in callers]
-    while clock.now() < stop:
+    while not all(task.done() for task in tasks):  # past stop: until every caller finished its turn
         await spin()
         clock.advance(0.005)
-    clock.advance(1.0)
-    await spin()
     await asyncio.gather(*tasks)
     # Then many turns came from chunks, and over every window and sub-window the requests, and over
     # every window the tokens actually used, stayed within the provider's limit
