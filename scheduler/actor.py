@@ -124,7 +124,8 @@ class _SchedulerActorBody:
 
     @ray.method(concurrency_group=_ADMIT)
     async def admit_or_lease(self, request: TurnRequest, want: int) -> _Outcome:
-        """A chunk of up to ``want`` turns while the key is uncontended, else this turn on its own."""
+        """A chunk of up to ``want`` turns while the key is uncontended, else this turn if admitted at
+        once, else None at once (contended: the caller asks ``admit_turn``)."""
         self._ensure_reclaimer()
         return await _outcome_of(self._scheduler.admit_or_lease(request, want))
 
@@ -283,8 +284,8 @@ class _PerCall:
         grant: TurnGrant = await self._handle._call("admit_turn", request)
         return grant
 
-    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease:
-        answer: TurnGrant | TurnLease = await self._handle._call("admit_or_lease", request, want)
+    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
+        answer: TurnGrant | TurnLease | None = await self._handle._call("admit_or_lease", request, want)
         return answer
 
 

@@ -506,6 +506,20 @@ class SchedulerCore:
         self._report_levels(request.provider_key, lane, now)
         return lease
 
+    def admits_at_once(self, request: TurnRequest) -> bool:
+        """Whether ``submit_turn(request)`` would be decided by the next ``tick`` (admitted or refused):
+        nothing queued on its key and the buckets cover it, or it is refused on sight."""
+        lane = self._lanes.get(request.provider_key)
+        if lane is None or request.estimated_tokens < 0:
+            return True  # submit_turn decides it: a new key starts empty, bad input is refused
+        now = self.clock.now()
+        if (
+            not lane.limiter.fits_ever(request.estimated_tokens)
+            or self._to_monotonic(request.deadline) <= now
+        ):
+            return True
+        return not len(lane.drr) and lane.limiter.can_admit(request.estimated_tokens, now)
+
     def end_lease(self, lease_id: str, used_tokens: int, used_requests: int) -> SettleResult:
         """A chunk comes back with what it used: refund (or debit) its tokens and unused requests."""
         if used_tokens < 0 or used_requests < 0:

@@ -76,13 +76,17 @@ class InProcessScheduler:
                 self.core.end_lease(lease_id, used_tokens, used_requests)
         self._poke()
 
-    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease:
+    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
         """A chunk of up to ``want`` turns like ``request`` if the key is uncontended
-        (``scheduler.lease``), else this one turn admitted as ``admit_turn`` would."""
+        (``scheduler.lease``); else this one turn if it is admitted at once; else None at once (the key is
+        contended: the caller and its process's other callers then ask ``admit_turn`` each, in DRR order,
+        instead of queueing behind this call)."""
         with self._lock:
             if self._closed:
                 raise AdmissionRefused(Predicate.SHUTDOWN, "scheduler is shutting down")
             lease = self.core.lease_turns(request, want)
+            if lease is None and not self.core.admits_at_once(request):
+                return None
         if lease is not None:
             return lease
         return await self.admit_turn(request)

@@ -8,8 +8,8 @@ tests an ``InProcessScheduler`` on a fake clock). The rules, all here:
   more callers waiting at once, or the last chunk used two or more. A lone trajectory taking one turn at
   a time keeps the per-call path (one admit, one settle), so leasing never costs it anything.
 - One request for a chunk per key and class in flight; callers arriving meanwhile wait for it and then
-  admit from it. If the scheduler answered with a single grant instead (contended key), they each ask on
-  their own, so DRR orders them with everyone else's.
+  admit from it. The scheduler answers at once: a chunk, the turn admitted on the spot, or "contended";
+  then every caller asks on its own (``admit_turn``), so DRR orders them with everyone else's.
 - A local grant settles into its chunk, never with a call. A chunk goes back (one ``end_lease``, batched
   with settlements by the caller) when it is exhausted or past ``use_by`` and all its grants are settled.
 """
@@ -37,7 +37,9 @@ class LeaseUpstream(Protocol):
 
     async def admit_turn(self, request: TurnRequest) -> TurnGrant: ...
 
-    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease: ...
+    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
+        """A chunk, or the turn admitted at once, or None at once when the key is contended."""
+        ...
 
 
 class LeaseClient:
@@ -84,6 +86,8 @@ class LeaseClient:
                 answer = await self._fetch(key, request, want)
                 if isinstance(answer, TurnGrant):
                     return answer
+                if answer is None:
+                    break  # contended: wait in DRR like everyone else
             return await self._upstream.admit_turn(request)
         finally:
             self._asking[key] -= 1
@@ -102,7 +106,7 @@ class LeaseClient:
         self._finish_if_done(lease)
         return grant
 
-    async def _fetch(self, key: _Key, request: TurnRequest, want: int) -> TurnGrant | TurnLease:
+    async def _fetch(self, key: _Key, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
         fetch: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._fetching[key] = fetch
         got_chunk = False

@@ -189,7 +189,7 @@ class Process:
         await self.clock.sleep(self.round_trip_s)  # a round trip: this process's other callers run meanwhile
         return await self.sched.admit_turn(request)
 
-    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease:
+    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
         self.calls += 1
         await self.clock.sleep(self.round_trip_s)
         return await self.sched.admit_or_lease(request, want)
@@ -357,3 +357,18 @@ def test_a_chunk_counts_in_the_window_until_the_last_moment_its_turns_could_go_o
     # Then only what leaves the provider's window with the chunk's turns is admitted: 6, not 10
     assert len(sent) == 4 + 6
     assert provider_overruns(sent, 10, 10.0) <= 0
+
+
+async def test_on_a_contended_key_every_caller_of_a_process_queues_in_drr_on_its_own() -> None:
+    # Given a fresh (empty) bucket and one process whose ten callers ask at once for turns that must wait
+    clock = FakeClock()
+    sched = InProcessScheduler(config(), clock, id_prefix="t")
+    proc = Process(sched, clock)
+    waiting = [asyncio.ensure_future(proc.client.admit_turn(turn(clock, 5_000))) for _ in range(10)]
+    await spin()
+    # Then none waits behind another's chunk request: all ten are queued in the scheduler, in DRR order
+    assert sched.snapshot().pending == 10 and sched.snapshot().chunks == 0
+    for future in waiting:
+        future.cancel()
+    await proc.client.aclose()
+    await sched.aclose()
