@@ -2,10 +2,13 @@
 
 1. **Scheduler throughput.** ``C`` caller actors (separate processes, as trajectory actors are) each run
    ``L`` concurrent loops of admit -> settle through ``SchedulerHandle`` against the real scheduler actor
-   (limits far above the load, so nothing waits for tokens: the admission path itself is measured). The
-   floor: the same callers calling a bare async Ray actor (one call per operation). Also the scheduler's
-   own logic with no Ray at all (``InProcessScheduler``, the same loops in one process): what the
-   algorithm could do if calls were free. Runs are interleaved (floor, scheduler, floor, ...).
+   (limits far above the load, so nothing waits for tokens: the admission path itself is measured), in
+   two admission modes: ``leased`` (the default: each process admits from chunks it leases while the key
+   is uncontended, ``scheduler.lease``) and ``per_call`` (``SchedulerConfig.leasing=None``: one admit call
+   per turn, settlements batched). The floor: the same callers calling a bare async Ray actor (one call
+   per operation). Also the scheduler's own logic with no Ray at all (``InProcessScheduler``, the same
+   loops in one process): what the algorithm could do if calls were free. Runs are interleaved (floor,
+   leased, per-call, floor, ...). ``--only scheduler`` runs this part alone.
 2. **Memory per actor.** RSS, USS (private pages) and PSS from ``/proc/<pid>/smaps_rollup`` of: a bare Ray
    actor; a probe actor importing the trajectory actor's dependencies one by one (where the memory goes),
    then the modules a trajectory no longer loads (issue 14: the ``openai`` SDK lives in the node's model
@@ -29,7 +32,7 @@
    the read + decode + fold of one log in the driver (no process), and a fresh interpreter's import of
    ``ray`` and of the trajectory actor's module.
 
-    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3] [--only memory|hibernation]
+    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3] [--only scheduler|memory|hibernation]
         [--live N] [--hibernated H]
 
 Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG;
@@ -162,9 +165,10 @@ class ImportProbe:
 
 @ray.remote(num_cpus=0, max_concurrency=1_000)  # type: ignore[call-overload]
 class Caller:
-    """Runs ``loops`` concurrent operation loops for ``seconds``; returns how many operations finished."""
+    """Runs ``loops`` concurrent operation loops for ``seconds``; returns how many operations finished
+    and how many of the admissions came from leased chunks."""
 
-    async def run(self, target: Any, mode: str, loops: int, seconds: float) -> int:
+    async def run(self, target: Any, mode: str, loops: int, seconds: float) -> tuple[int, int]:
         from runtime.ports import TurnRequest
         from scheduler.actor import SchedulerHandle
 
@@ -184,7 +188,7 @@ class Caller:
                 done += 1
 
         await asyncio.gather(*(loop(i) for i in range(loops)))
-        return done
+        return done, handle.leased_turns
 
 
 # ----------------------------------------------------------------------------- 1. scheduler
@@ -219,35 +223,48 @@ def scheduler_throughput(s: Settings) -> dict[str, Any]:
     from scheduler.config import ProviderLimits, SchedulerConfig
 
     limits = ProviderLimits(tokens_per_minute=10**12, requests_per_minute=10**10)
-    handle = SchedulerHandle.connect(
+    leased = SchedulerHandle.connect(
         SchedulerConfig(providers={KEY: limits}), name=f"sched-{uuid.uuid4().hex[:6]}"
+    )
+    per_call = SchedulerHandle.connect(
+        SchedulerConfig(providers={KEY: limits}, leasing=None), name=f"sched-{uuid.uuid4().hex[:6]}"
     )
     bare = Bare.remote()  # type: ignore[attr-defined]
     callers = [Caller.remote() for _ in range(s.callers)]  # type: ignore[attr-defined]
-    # warm both paths (worker start, first calls, bucket fill)
-    ray.get([c.run.remote(bare, "bare", 2, 0.5) for c in callers])
-    ray.get([c.run.remote(handle.actor, "scheduler", 2, 0.5) for c in callers])
+    targets = (("bare", bare), ("leased", leased.actor), ("per_call", per_call.actor))
+    # warm every path (worker start, first calls, bucket fill)
+    for mode, target in targets:
+        ray.get([c.run.remote(target, mode, 2, 0.5) for c in callers])
     time.sleep(1.0)
-    bare_rates: list[float] = []
-    admit_rates: list[float] = []
+    rates: dict[str, list[float]] = {mode: [] for mode, _ in targets}
+    leased_share: list[float] = []
     for _ in range(s.runs):
-        for mode, target, rates in (("bare", bare, bare_rates), ("scheduler", handle.actor, admit_rates)):
+        for mode, target in targets:
             counts = ray.get([c.run.remote(target, mode, s.loops, s.seconds) for c in callers])
-            rates.append(sum(counts) / s.seconds)
+            done = sum(n for n, _ in counts)
+            rates[mode].append(done / s.seconds)
+            if mode == "leased":
+                leased_share.append(sum(k for _, k in counts) / max(1, done))
     inproc = [asyncio.run(inprocess_rate(s.callers * s.loops, s.seconds)) for _ in range(s.runs)]
-    for actor in (*callers, bare, handle.actor):
+    for actor in (*callers, bare, leased.actor, per_call.actor):
         ray.kill(actor)
     return {
-        "admissions_per_s": spread(admit_rates, 1),
-        "bare_actor_calls_per_s": spread(bare_rates, 1),
+        "admission_mode": "leased",
+        "admissions_per_s": spread(rates["leased"], 1),
+        "per_call_admissions_per_s": spread(rates["per_call"], 1),
+        "bare_actor_calls_per_s": spread(rates["bare"], 1),
         "inprocess_admissions_per_s": spread(inproc, 1),
+        "leased_share": spread(leased_share, 3),
         "concurrent_callers": s.callers * s.loops,
         "caller_processes": s.callers,
         "what": (
-            "admissions_per_s: admit + settle pairs per second through the scheduler actor (one admit call "
-            "each; settlements batched per caller process by SchedulerHandle); bare_actor_calls_per_s: "
-            "calls to an async actor that answers at once, same callers; inprocess_admissions_per_s: the "
-            "same loops against InProcessScheduler in one process (no Ray: the logic's own ceiling)"
+            "admissions_per_s: admit + settle pairs per second through SchedulerHandle and the scheduler "
+            "actor at default settings (admission_mode leased: each caller process admits from chunks it "
+            "leases while the key is uncontended, leased_share of the admissions; the rest one admit call "
+            "each); per_call_admissions_per_s: the same with SchedulerConfig.leasing=None (one admit call "
+            "per turn, settlements batched per process); bare_actor_calls_per_s: calls to an async actor "
+            "that answers at once, same callers; inprocess_admissions_per_s: the same loops against "
+            "InProcessScheduler in one process (no Ray: the logic's own ceiling)"
         ),
     }
 
@@ -680,6 +697,20 @@ def run(s: Settings, memory_only: bool = False) -> dict[str, Any]:
     }
 
 
+def run_scheduler_only(s: Settings) -> dict[str, Any]:
+    """Part 1 alone (``--only scheduler``)."""
+    from cluster.runner import start_local_ray
+
+    before = calibration()
+    start_local_ray(num_cpus=2)
+    try:
+        progress("scheduler throughput")
+        sched = scheduler_throughput(s)
+    finally:
+        ray.shutdown()
+    return {"runs": s.runs, "scheduler": sched, **provenance(s.__dict__, before)}
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -688,14 +719,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, (ax_s, ax_m) = plt.subplots(1, 2, figsize=(12, 4.4))
     sched = result["scheduler"]
-    names = ["bare actor call", "scheduler admit+settle", "in-process (no Ray)"]
-    keys = ["bare_actor_calls_per_s", "admissions_per_s", "inprocess_admissions_per_s"]
+    names = ["bare actor call", "admit+settle (leased)", "admit+settle (per call)", "in-process (no Ray)"]
+    keys = [
+        "bare_actor_calls_per_s",
+        "admissions_per_s",
+        "per_call_admissions_per_s",
+        "inprocess_admissions_per_s",
+    ]
     med = [sched[k]["median"] for k in keys]
     err = [
         [m - sched[k]["min"] for m, k in zip(med, keys, strict=True)],
         [sched[k]["max"] - m for m, k in zip(med, keys, strict=True)],
     ]
-    ax_s.bar(names, med, yerr=err, color=["grey", "tab:blue", "tab:green"])
+    ax_s.bar(names, med, yerr=err, color=["grey", "tab:blue", "tab:cyan", "tab:green"])
+    ax_s.tick_params(axis="x", labelsize=7)
     ax_s.set_yscale("log")
     ax_s.set_ylabel("operations / s (median, min-max)")
     ax_s.set_title(f"{sched['concurrent_callers']} concurrent callers")
@@ -729,7 +766,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=None, help=f"repetitions (at least {MIN_RUNS})")
     parser.add_argument(
         "--only",
-        choices=["memory", "hibernation"],
+        choices=["scheduler", "memory", "hibernation"],
         default=None,
         help="run one part alone; writes node_capacity.<part>.json beside (never over) the headline file",
     )
@@ -745,6 +782,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.hibernated < 1:
             parser.error("--hibernated must be >= 1")
         settings = Settings(**{**settings.__dict__, "hibernated": args.hibernated})
+    if args.only == "scheduler":
+        result = run_scheduler_only(settings)
+        out = result_path(NAME, settings.quick)
+        out = out.with_name(f"{out.stem}.scheduler.json")
+        write_json(out.stem, result, out.parent)
+        print(out)
+        print(result["scheduler"])
+        return
     out = result_path(NAME, settings.quick)
     if args.only == "hibernation":
         result = run_hibernation(settings)

@@ -107,8 +107,14 @@ def node_capacity(d: Mapping[str, Any]) -> str:
     sc, mem, hib = d["scheduler"], d["actor_memory_mb"], d["hibernated"]
     est = d.get("max_live_estimate") or {}
     return (
-        f"admit+settle {_s(sc['admissions_per_s'])}/s vs bare actor calls "
-        f"{_s(sc['bare_actor_calls_per_s'])}/s ({sc['concurrent_callers']} callers; the scheduler logic "
+        f"admit+settle {_s(sc['admissions_per_s'])}/s"
+        + (
+            f" ({sc['admission_mode']}; per call {_s(sc['per_call_admissions_per_s'])}/s)"
+            if "per_call_admissions_per_s" in sc
+            else ""
+        )
+        + f" vs bare actor calls {_s(sc['bare_actor_calls_per_s'])}/s ({sc['concurrent_callers']} callers; "
+        f"the scheduler logic "
         f"alone {_s(sc['inprocess_admissions_per_s'])}/s); running trajectory actor RSS "
         f"{_s(mem['trajectory_rss'])} MB / USS {_s(mem['trajectory_uss'])} MB vs "
         f"bare actor {_s(mem['bare_rss'])} / {_s(mem['bare_uss'])} MB; largest live count "

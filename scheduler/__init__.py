@@ -1,5 +1,6 @@
 """Admission across trajectories: token buckets per provider key, weighted deficit round-robin across
-priority classes, sandbox semaphores with an interactive reserve, leases; the scheduler actor.
+priority classes, sandbox semaphores with an interactive reserve, leases, chunk leases admitted in the
+caller's process (``scheduler.lease``); the scheduler actor.
 
 The pure halves (``TokenBucket``, ``ProviderLimiter``, ``DeficitRoundRobin``, ``SandboxPool``,
 ``SchedulerCore``) never touch Ray or the wall clock. ``InProcessScheduler`` and ``SchedulerHandle``
@@ -11,6 +12,7 @@ from scheduler.bucket import ProviderLimiter, TokenBucket
 from scheduler.config import (
     DEFAULT_CLASS_WEIGHTS,
     FeedbackConfig,
+    LeaseConfig,
     ProviderLimits,
     SandboxPoolConfig,
     SchedulerConfig,
@@ -31,6 +33,8 @@ from scheduler.drr import DeficitRoundRobin
 from scheduler.errors import Predicate, SchedulerInputError
 from scheduler.hooks import NoopMetrics, SchedulerMetrics
 from scheduler.inprocess import AlwaysAdmit, InProcessScheduler
+from scheduler.lease import LocalLease, TurnLease
+from scheduler.lease_client import LeaseClient
 from scheduler.observe import MetricsAdapter
 from scheduler.sandbox import SandboxPool
 
@@ -43,6 +47,9 @@ __all__ = [
     "FeedbackConfig",
     "InProcessScheduler",
     "LaneView",
+    "LeaseClient",
+    "LeaseConfig",
+    "LocalLease",
     "MetricsAdapter",
     "NoopMetrics",
     "PermitGranted",
@@ -61,4 +68,5 @@ __all__ = [
     "SchedulerSnapshot",
     "SettleResult",
     "TokenBucket",
+    "TurnLease",
 ]

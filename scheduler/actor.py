@@ -5,9 +5,16 @@ feedback and control calls run in a separate concurrency group with its own even
 queue behind blocked admissions (a semaphore whose releases starve behind its acquires stalls a cluster).
 
 Throughput: every actor call costs both processes CPU (Ray's per-call path, not the scheduler's logic, is
-what bounds admissions on a node: ``benchmarks/node_capacity.py``). The handle therefore coalesces the
-settlements of one process: while one ``settle_many`` call is in flight, further settlements queue and go
-in the next call (no timer: an idle process settles at once, a busy one sends one call per batch).
+what bounds admissions on a node: ``benchmarks/node_capacity.py``). So the handle makes few calls:
+
+- A process with several turns of one key and class to admit at once leases a chunk of them and admits
+  and settles them locally (``scheduler.lease``, ``scheduler.lease_client``): one ``admit_or_lease`` and
+  one returned chunk per up to ``LeaseConfig.max_requests`` turns, while the key is uncontended. Under
+  contention (or with ``SchedulerConfig.leasing=None``) every turn is one ``admit_or_lease``/
+  ``admit_turn`` call, in DRR order.
+- Settlements (and returned chunks) of one process are coalesced: while one ``settle_many`` call is in
+  flight, further ones queue and go in the next call (no timer: an idle process settles at once, a busy
+  one sends one call per batch).
 
 Errors do not cross the Ray boundary as exceptions (``AdmissionRefused`` carries structured fields a
 pickled exception would lose); the actor returns an outcome record and the handle raises on the caller's
@@ -26,6 +33,7 @@ from typing import Any
 
 import ray
 
+from runtime.clock import Clock, SystemClock
 from runtime.errors import AdmissionRefused, TetherError
 from runtime.ports import RateLimitInfo, SandboxPermit, TurnGrant, TurnRequest
 from scheduler.config import SchedulerConfig
@@ -33,6 +41,8 @@ from scheduler.core import SchedulerSnapshot
 from scheduler.errors import SchedulerInputError
 from scheduler.hooks import SchedulerMetrics
 from scheduler.inprocess import InProcessScheduler
+from scheduler.lease import TurnLease
+from scheduler.lease_client import LeaseClient
 
 __all__ = [
     "SCHEDULER_NAME",
@@ -113,6 +123,13 @@ class _SchedulerActorBody:
         return await _outcome_of(self._scheduler.admit_turn(request))
 
     @ray.method(concurrency_group=_ADMIT)
+    async def admit_or_lease(self, request: TurnRequest, want: int) -> _Outcome:
+        """A chunk of up to ``want`` turns while the key is uncontended, else this turn if admitted at
+        once, else None at once (contended: the caller asks ``admit_turn``)."""
+        self._ensure_reclaimer()
+        return await _outcome_of(self._scheduler.admit_or_lease(request, want))
+
+    @ray.method(concurrency_group=_ADMIT)
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float
     ) -> _Outcome:
@@ -128,9 +145,11 @@ class _SchedulerActorBody:
         return await _outcome_of(self._scheduler.settle_turn(grant_id, actual_tokens))
 
     @ray.method(concurrency_group=_CONTROL)
-    async def settle_many(self, settlements: list[tuple[str, int]]) -> _Outcome:
-        """Several ``settle_turn`` in one call (what a process's handle batched)."""
-        return await _outcome_of(self._scheduler.settle_many(settlements))
+    async def settle_many(
+        self, settlements: list[tuple[str, int]], returns: list[tuple[str, int, int]] | None = None
+    ) -> _Outcome:
+        """Several ``settle_turn`` and returned chunks in one call (what a process's handle batched)."""
+        return await _outcome_of(self._scheduler.settle_many(settlements, returns))
 
     @ray.method(concurrency_group=_CONTROL)
     async def release_sandbox(self, permit_id: str) -> _Outcome:
@@ -196,13 +215,14 @@ SchedulerActor = scheduler_actor_class()
 
 
 class _SettleBatcher:
-    """Coalesces one process's settlements: one ``settle_many`` in flight at a time, the rest queue for the
-    next. Each caller still waits until its own settlement was applied (or sees the error)."""
+    """Coalesces one process's settlements and returned chunks: one ``settle_many`` in flight at a time,
+    the rest queue for the next. Each caller still waits until its own item was applied (or sees the
+    error)."""
 
     def __init__(self, actor: Any) -> None:
         self._actor = actor
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: list[tuple[str, int, asyncio.Future[None]]] = []
+        self._queue: list[tuple[tuple[str, int] | tuple[str, int, int], asyncio.Future[None]]] = []
         self._flushing = False
         self._flusher: asyncio.Task[None] | None = None
 
@@ -214,9 +234,15 @@ class _SettleBatcher:
         return self._loop is loop
 
     async def settle(self, grant_id: str, actual_tokens: int) -> None:
+        await self._put((grant_id, actual_tokens))
+
+    async def end_lease(self, lease_id: str, used_tokens: int, used_requests: int) -> None:
+        await self._put((lease_id, used_tokens, used_requests))
+
+    async def _put(self, item: tuple[str, int] | tuple[str, int, int]) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        self._queue.append((grant_id, actual_tokens, future))
+        self._queue.append((item, future))
         if not self._flushing:
             self._flushing = True
             self._flusher = loop.create_task(self._flush())
@@ -226,32 +252,55 @@ class _SettleBatcher:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
+                settles = [item for item, _ in batch if len(item) == 2]
+                returns = [item for item, _ in batch if len(item) == 3]
                 try:
-                    outcome = await self._actor.settle_many.remote([(g, t) for g, t, _ in batch])
+                    if returns:
+                        outcome = await self._actor.settle_many.remote(settles, returns)
+                    else:
+                        outcome = await self._actor.settle_many.remote(settles)
                     outcome.unwrap()
                 except BaseException as e:  # every caller of this batch sees it
-                    for _, _, future in batch:
+                    for _, future in batch:
                         if not future.done():
                             future.set_exception(e)
                     if isinstance(e, asyncio.CancelledError):
                         raise
                     continue
-                for _, _, future in batch:
+                for _, future in batch:
                     if not future.done():
                         future.set_result(None)
         finally:
             self._flushing = False
 
 
+class _PerCall:
+    """The actor's admission calls, one per turn: what ``LeaseClient`` falls back to and leases through."""
+
+    def __init__(self, handle: SchedulerHandle) -> None:
+        self._handle = handle
+
+    async def admit_turn(self, request: TurnRequest) -> TurnGrant:
+        grant: TurnGrant = await self._handle._call("admit_turn", request)
+        return grant
+
+    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
+        answer: TurnGrant | TurnLease | None = await self._handle._call("admit_or_lease", request, want)
+        return answer
+
+
 class SchedulerHandle:
     """``runtime.ports.AdmissionPort`` over the scheduler actor: what trajectory actors hold."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, clock: Clock | None = None, leasing: bool = True) -> None:
         self._actor = actor
+        self._leasing = leasing
         self._settles = _SettleBatcher(actor)
+        self._leases = LeaseClient(_PerCall(self), self._settles.end_lease, clock or SystemClock())
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SchedulerHandle, (self._actor,))  # the batcher belongs to one process's event loop
+        # the batcher and the chunks belong to one process's event loop
+        return (SchedulerHandle, (self._actor, None, self._leasing))
 
     @classmethod
     def connect(
@@ -291,12 +340,21 @@ class SchedulerHandle:
             raise
         return outcome.unwrap()
 
+    @property
+    def leased_turns(self) -> int:
+        """Turns this handle admitted from chunks, with no call of their own."""
+        return self._leases.leased
+
     async def admit_turn(self, request: TurnRequest) -> TurnGrant:
+        if self._leasing and self._settles.usable():
+            return await self._leases.admit_turn(request)
         grant: TurnGrant = await self._call("admit_turn", request)
         return grant
 
     async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
         if self._settles.usable():
+            if self._leases.settle_local(grant_id, actual_tokens):
+                return
             await self._settles.settle(grant_id, actual_tokens)
         else:
             await self._call("settle_turn", grant_id, actual_tokens)

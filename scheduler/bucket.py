@@ -202,6 +202,64 @@ class ProviderLimiter:
             self.sub_token_window.add(cost, now, entry_id=ledger_id)  # one id: settle corrects both
         return ledger_id
 
+    def can_lease(self, tokens: int, requests: int, now: float, slack: float) -> bool:
+        """Whether a chunk of ``tokens`` and ``requests`` fits while leaving room for turns admitted
+        one by one: it takes at most ``1 - slack`` of what is left in each bucket, window and sub-window
+        (so chunks shrink as the key fills up). Never while the key is paused or slowed by a 429: then
+        every turn goes through DRR one by one."""
+        self.advance(now)
+        share = 1.0 - slack
+        rooms = [
+            (self.tokens.level(now), tokens),
+            (self.requests.level(now), requests),
+            (self.token_window.capacity - self.token_window.used(now), tokens),
+            (self.request_window.capacity - self.request_window.used(now), requests),
+        ]
+        for window, amount in ((self.sub_token_window, tokens), (self.sub_request_window, requests)):
+            if window is not None:
+                rooms.append((window.capacity - window.used(now), amount))
+        return (
+            now >= self.blocked_until
+            and self.rate_factor >= 1.0
+            and all(amount <= share * room + _EPS for room, amount in rooms)
+        )
+
+    def lease(self, tokens: int, requests: int, now: float, use_by: float) -> tuple[int, int, int]:
+        """Reserve a chunk (the caller has checked ``can_lease``), dated ``use_by`` in the windows: its
+        requests may reach the provider any time until then. Returns its ledger ids (token, request,
+        sub-window request), needed to ``end_lease`` it."""
+        self.advance(now)
+        self.tokens.take(tokens, now)
+        self.requests.take(requests, now)
+        token_id = self.token_window.add(tokens, now, at=use_by)
+        request_id = self.request_window.add(requests, now, at=use_by)
+        if self.sub_token_window is not None:
+            self.sub_token_window.add(tokens, now, entry_id=token_id, at=use_by)
+        sub_request_id = 0
+        if self.sub_request_window is not None:  # its ids are its own: single admissions add there too
+            sub_request_id = self.sub_request_window.add(requests, now, at=use_by)
+        return token_id, request_id, sub_request_id
+
+    def end_lease(
+        self,
+        reserved: tuple[int, int],
+        used: tuple[int, int],
+        now: float,
+        ledger_ids: tuple[int, int, int],
+    ) -> None:
+        """Replace a chunk's reservation by what its holder used: (tokens, requests) each."""
+        self.advance(now)
+        self.tokens.adjust(reserved[0] - used[0], now)
+        self.requests.adjust(reserved[1] - used[1], now)
+        self.granted_count += used[1]
+        token_id, request_id, sub_request_id = ledger_ids
+        self.token_window.correct(token_id, used[0])
+        self.request_window.correct(request_id, used[1])
+        if self.sub_token_window is not None:
+            self.sub_token_window.correct(token_id, used[0])
+        if self.sub_request_window is not None:
+            self.sub_request_window.correct(sub_request_id, used[1])
+
     def ready_at(self, cost: int, now: float) -> float:
         """Earliest monotonic time ``cost`` could be admitted (at the current rate)."""
         self.advance(now)

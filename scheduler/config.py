@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, m
 __all__ = [
     "DEFAULT_CLASS_WEIGHTS",
     "FeedbackConfig",
+    "LeaseConfig",
     "ProviderLimits",
     "SandboxPoolConfig",
     "SchedulerConfig",
@@ -108,6 +109,20 @@ class FeedbackConfig(_Frozen):
     learn_limits: bool = True
 
 
+class LeaseConfig(_Frozen):
+    """Chunk leases (``scheduler.lease``): a process with several turns to admit at once takes a chunk
+    of requests and tokens and admits from it locally, with no call to the scheduler per turn.
+
+    Only while the key is uncontended: nobody queued in DRR, no 429 pause or slow-down, and the chunk
+    takes at most ``1 - slack`` of what is left in every bucket and window. Otherwise each turn is
+    admitted on its own, in DRR order.
+    """
+
+    max_requests: PositiveInt = 32  # the largest chunk, in requests
+    use_s: PositiveFloat = 0.25  # a chunk's turns must be admitted within this; the rest goes back
+    slack: float = Field(default=0.5, ge=0.0, lt=1.0)
+
+
 class SandboxPoolConfig(_Frozen):
     """A pool of ``size`` sandboxes of which ``reserved`` only the reserved class may take."""
 
@@ -137,6 +152,8 @@ class SchedulerConfig(_Frozen):
     turn_lease_s: PositiveFloat = 600.0  # an unsettled grant older than this is reclaimed
     sandbox_lease_s: PositiveFloat = 1800.0  # an unreleased permit older than this is reclaimed
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
+    # None: every turn is admitted by its own call (per-call mode).
+    leasing: LeaseConfig | None = Field(default_factory=LeaseConfig)
 
     @model_validator(mode="after")
     def _classes_consistent(self) -> Self:

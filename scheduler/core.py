@@ -31,6 +31,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.drr import DeficitRoundRobin
 from scheduler.errors import Predicate, SchedulerInputError
 from scheduler.hooks import NoopMetrics, SchedulerMetrics
+from scheduler.lease import TurnLease, chunk_tokens
 from scheduler.sandbox import SandboxPool
 
 __all__ = [
@@ -127,6 +128,7 @@ class SchedulerSnapshot:
     pending: int
     grants: int
     permits: int
+    chunks: int = 0  # chunk leases out (scheduler.lease)
 
 
 @dataclass(slots=True)
@@ -151,6 +153,13 @@ class _Lease:
     expires_at: float  # monotonic
     reserved: int = 0
     ledger_id: int | None = None  # the reservation's entry in the provider key's window ledger
+
+
+@dataclass(slots=True)
+class _Chunk:
+    lease: TurnLease
+    expires_at: float  # monotonic
+    ledger_ids: tuple[int, int, int]  # its entries in the key's window ledgers (ProviderLimiter.lease)
 
 
 @dataclass(slots=True)
@@ -184,6 +193,7 @@ class SchedulerCore:
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
         self._leases: dict[str, _Lease] = {}
+        self._chunks: dict[str, _Chunk] = {}  # chunk leases (scheduler.lease), expiring with the leases
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries skipped
         # Decided outside tick (refused at submission); handed out by the next tick.
         self._ready: list[Decision] = []
@@ -407,6 +417,7 @@ class SchedulerCore:
         while self._expiries and self._expiries[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiries)
             self._drop_lease(lease_id)
+            self._chunks.pop(lease_id, None)  # a chunk never returned: its tokens stay spent
 
     def _drop_lease(self, lease_id: str) -> _Lease | None:
         """Forget a lease. A turn's reserved tokens stay spent (the call may have gone out);
@@ -430,7 +441,7 @@ class SchedulerCore:
             heapq.heappop(self._deadlines)
         if self._deadlines:
             times.append(self._deadlines[0][0])
-        while self._expiries and self._expiries[0][1] not in self._leases:
+        while self._expiries and not self._is_lease(self._expiries[0][1]):
             heapq.heappop(self._expiries)
         if self._expiries:
             times.append(self._expiries[0][0])
@@ -452,6 +463,82 @@ class SchedulerCore:
         lane.limiter.settle(lease.reserved, actual_tokens, now, lease.ledger_id)
         self._report_levels(lease.target, lane, now)
         return SettleResult.SETTLED
+
+    # ------------------------------------------------------------------ chunk leases (scheduler.lease)
+
+    def lease_turns(self, request: TurnRequest, requests: int) -> TurnLease | None:
+        """A chunk of up to ``requests`` turns like ``request`` while the key is uncontended, else None
+        (the caller then submits the turn on its own, in DRR order). Halves the chunk until it fits."""
+        leasing = self.config.leasing
+        if leasing is None or requests < 2:
+            return None
+        self._check_class(request.priority_class, "TurnRequest.priority_class")
+        if request.estimated_tokens < 0:
+            return None  # submit_turn gives the input error
+        lane = self._lane(request.provider_key)
+        if len(lane.drr):
+            return None  # someone waits: DRR decides who is next, one turn at a time
+        now = self.clock.now()
+        if self._to_monotonic(request.deadline) <= now:
+            return None
+        n = min(requests, leasing.max_requests)
+        while n >= 2 and not lane.limiter.can_lease(
+            chunk_tokens(request.estimated_tokens, n), n, now, leasing.slack
+        ):
+            n //= 2
+        if n < 2:
+            return None
+        tokens = chunk_tokens(request.estimated_tokens, n)
+        use_by = now + leasing.use_s
+        ledger_ids = lane.limiter.lease(tokens, n, now, use_by)
+        expires_at = use_by + self.config.turn_lease_s
+        lease = TurnLease(
+            f"c-{self._id_prefix}-{next(self._lease_ids)}",
+            request.provider_key,
+            request.priority_class,
+            tokens,
+            n,
+            self._to_epoch(use_by),
+            self._to_epoch(expires_at),
+        )
+        self._chunks[lease.lease_id] = _Chunk(lease, expires_at, ledger_ids)
+        heapq.heappush(self._expiries, (expires_at, lease.lease_id))
+        self._report_levels(request.provider_key, lane, now)
+        return lease
+
+    def admits_at_once(self, request: TurnRequest) -> bool:
+        """Whether ``submit_turn(request)`` would be decided by the next ``tick`` (admitted or refused):
+        nothing queued on its key and the buckets cover it, or it is refused on sight."""
+        lane = self._lanes.get(request.provider_key)
+        if lane is None or request.estimated_tokens < 0:
+            return True  # submit_turn decides it: a new key starts empty, bad input is refused
+        now = self.clock.now()
+        if (
+            not lane.limiter.fits_ever(request.estimated_tokens)
+            or self._to_monotonic(request.deadline) <= now
+        ):
+            return True
+        return not len(lane.drr) and lane.limiter.can_admit(request.estimated_tokens, now)
+
+    def end_lease(self, lease_id: str, used_tokens: int, used_requests: int) -> SettleResult:
+        """A chunk comes back with what it used: refund (or debit) its tokens and unused requests."""
+        if used_tokens < 0 or used_requests < 0:
+            raise SchedulerInputError(
+                f"must be >= 0, got tokens={used_tokens} requests={used_requests}", where="end_lease.used"
+            )
+        chunk = self._chunks.pop(lease_id, None)
+        if chunk is None:
+            return SettleResult.UNKNOWN  # expired, already returned, or from before a restart
+        lease = chunk.lease
+        lane = self._lanes[lease.provider_key]
+        now = self.clock.now()
+        used = (used_tokens, min(used_requests, lease.requests))
+        lane.limiter.end_lease((lease.tokens, lease.requests), used, now, chunk.ledger_ids)
+        self._report_levels(lease.provider_key, lane, now)
+        return SettleResult.SETTLED
+
+    def _is_lease(self, lease_id: str) -> bool:
+        return lease_id in self._leases or lease_id in self._chunks
 
     def release_sandbox(self, permit_id: str) -> bool:
         """Give a sandbox back. False if the permit is unknown (already released or reclaimed)."""
@@ -551,6 +638,7 @@ class SchedulerCore:
             pending=len(self._pending),
             grants=sum(1 for lease in leases if lease.kind is RequestKind.TURN),
             permits=sum(1 for lease in leases if lease.kind is RequestKind.SANDBOX),
+            chunks=len(self._chunks),
         )
 
 

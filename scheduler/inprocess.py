@@ -25,6 +25,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.core import Admitted, Decision, PermitGranted, Refused, SchedulerCore, SchedulerSnapshot
 from scheduler.errors import Predicate
 from scheduler.hooks import SchedulerMetrics
+from scheduler.lease import TurnLease
 
 __all__ = ["AlwaysAdmit", "InProcessScheduler"]
 
@@ -63,11 +64,37 @@ class InProcessScheduler:
             self.core.settle_turn(grant_id, actual_tokens)
         self._poke()
 
-    async def settle_many(self, settlements: list[tuple[str, int]]) -> None:
-        """``settle_turn`` for each (grant id, actual tokens), under one lock and one wake-up."""
+    async def settle_many(
+        self, settlements: list[tuple[str, int]], returns: list[tuple[str, int, int]] | None = None
+    ) -> None:
+        """``settle_turn`` for each (grant id, actual tokens) and ``end_lease`` for each (chunk id, used
+        tokens, used requests), under one lock and one wake-up."""
         with self._lock:
             for grant_id, actual_tokens in settlements:
                 self.core.settle_turn(grant_id, actual_tokens)
+            for lease_id, used_tokens, used_requests in returns or ():
+                self.core.end_lease(lease_id, used_tokens, used_requests)
+        self._poke()
+
+    async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
+        """A chunk of up to ``want`` turns like ``request`` if the key is uncontended
+        (``scheduler.lease``); else this one turn if it is admitted at once; else None at once (the key is
+        contended: the caller and its process's other callers then ask ``admit_turn`` each, in DRR order,
+        instead of queueing behind this call)."""
+        with self._lock:
+            if self._closed:
+                raise AdmissionRefused(Predicate.SHUTDOWN, "scheduler is shutting down")
+            lease = self.core.lease_turns(request, want)
+            if lease is None and not self.core.admits_at_once(request):
+                return None
+        if lease is not None:
+            return lease
+        return await self.admit_turn(request)
+
+    async def end_lease(self, lease_id: str, used_tokens: int, used_requests: int) -> None:
+        """A chunk comes back with what it used (refund or debit)."""
+        with self._lock:
+            self.core.end_lease(lease_id, used_tokens, used_requests)
         self._poke()
 
     async def report_rate_limited(

@@ -5,6 +5,10 @@ The token bucket spreads admissions evenly, but on its own it allows ``capacity`
 provider enforces over a sliding window. This ledger closes that gap. Like the provider's, an entry
 keeps its admission time and is corrected to the actual usage at settlement.
 
+An entry may be dated in the future (``add(..., at=...)``): a lease of requests that its holder may
+use until ``at`` is counted from now until ``at + window_s``, the latest any of them can leave the
+provider's window. Entries stay sorted by date, so expiry still pops from the front.
+
 A ledger may also mirror a provider's sub-minute enforcement (``alone_fits``): then an amount larger
 than the remaining capacity still fits when nothing else is in the window, as the testbed provider's
 token sub-window rules (``testbed/provider/sliding_window.py``).
@@ -63,11 +67,20 @@ class WindowLedger:
         used = self.used(now)
         return used + amount <= self.capacity + _EPS or (self.alone_fits and used <= _EPS)
 
-    def add(self, amount: float, now: float, entry_id: int | None = None) -> int:
-        """Record an admission; returns its id for ``correct`` (``entry_id``: reuse another ledger's id)."""
+    def add(self, amount: float, now: float, entry_id: int | None = None, at: float | None = None) -> int:
+        """Record an admission; returns its id for ``correct`` (``entry_id``: reuse another ledger's id).
+
+        ``at`` (>= ``now``) dates it later than now: the last moment a leased amount may be used."""
         self._expire(now)
-        entry = _Entry(now, float(amount), next(self._ids) if entry_id is None else entry_id)
-        self._entries.append(entry)
+        when = now if at is None else max(now, at)
+        entry = _Entry(when, float(amount), next(self._ids) if entry_id is None else entry_id)
+        if not self._entries or self._entries[-1].at <= when:
+            self._entries.append(entry)
+        else:  # behind a lease dated later: keep the deque sorted (leases are few and near the end)
+            index = len(self._entries)
+            while index > 0 and self._entries[index - 1].at > when:
+                index -= 1
+            self._entries.insert(index, entry)
         self._by_id[entry.entry_id] = entry
         self.total += entry.amount
         return entry.entry_id

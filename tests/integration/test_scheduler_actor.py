@@ -69,13 +69,15 @@ async def test_control_calls_complete_while_admissions_fill_their_group(ray_loca
         grant = await handle.admit_turn(turn(100))
         permit = await handle.acquire_sandbox("traj-1", "default", "batch", time.time() + 600)
         # And 60 admissions that each need ~50 s of refill plus 10 sandbox acquisitions, all blocked
+        # (the sandbox acquisitions are sent once the admissions filled the group: a process's callers
+        # may reach the actor a round trip apart, and a sandbox waiter inside would get the released permit)
         blocked = [asyncio.ensure_future(handle.admit_turn(turn(5_000))) for _ in range(60)]
+        while (await handle.snapshot()).pending < 20:
+            await asyncio.sleep(0.05)
         blocked += [
             asyncio.ensure_future(handle.acquire_sandbox(f"t{i}", "default", "batch", time.time() + 600))
             for i in range(10)
         ]
-        while (await handle.snapshot()).pending < 20:
-            await asyncio.sleep(0.05)
         # When settle, release, feedback and introspection are called while the admit group is full
         await asyncio.wait_for(handle.settle_turn(grant.grant_id, 40), timeout=30)
         await asyncio.wait_for(handle.release_sandbox(permit.permit_id), timeout=30)
