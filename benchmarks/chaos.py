@@ -87,6 +87,9 @@ class ChaosConfig:
     run_bound_s: float = 1200.0  # `tether run` is interrupted after this (a hang becomes a finding)
     redis_down_s: tuple[float, float] = (2.0, 4.0)
     trajectory_kills: int = 0  # 0: one per 10 trajectories
+    # tool calls each trajectory's script makes before its final answer: the run must outlast the window,
+    # or the faults planned late in it land after the run ended (a faster runtime ends a run sooner)
+    tool_calls: int = 3
     work_dir: Path | None = None
 
 
@@ -135,7 +138,7 @@ def plan_faults(seed: int, trajectories: int, config: ChaosConfig) -> list[Fault
     return sorted(plan)
 
 
-def workload_yaml(name: str, n: int, provider_url: str, testbed: str) -> str:
+def workload_yaml(name: str, n: int, provider_url: str, testbed: str, tool_calls: int = 3) -> str:
     envs = max(1, (n * 7) // 10)
     tests = n - envs
     tools = "\n".join(
@@ -159,19 +162,19 @@ retry: {{max_attempts: 3, base_backoff_s: 0.1, max_backoff_s: 1.0}}
 trajectories:
   - id: env
     count: {envs}
-    scenario: "finish_after:3"
+    scenario: "finish_after:{tool_calls}"
     grants: [provision_env]
     budget: {{{budget}}}
-    completion_check: {{kind: min_tool_results, count: 3}}
+    completion_check: {{kind: min_tool_results, count: {tool_calls}}}
 """
     if tests:
         body += f"""\
   - id: tests
     count: {tests}
-    scenario: "finish_after:3"
+    scenario: "finish_after:{tool_calls}"
     grants: [run_tests]
     budget: {{{budget}}}
-    completion_check: {{kind: min_tool_results, count: 3}}
+    completion_check: {{kind: min_tool_results, count: {tool_calls}}}
 """
     return body
 
@@ -311,7 +314,9 @@ def run_seed(seed: int, head: RayHead, config: ChaosConfig, trajectories: int, w
     run_id = f"chaos-s{seed}"
     report = seed_dir / "report.json"
     workload = seed_dir / "chaos.yaml"
-    workload.write_text(workload_yaml(run_id, trajectories, provider.base_url, testbed.address))
+    workload.write_text(
+        workload_yaml(run_id, trajectories, provider.base_url, testbed.address, config.tool_calls)
+    )
     env = {
         **os.environ,
         "TETHER_REDIS_URL": server.url,

@@ -26,8 +26,14 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from tests.conftest import SHARED_RAY
 
     SHARED_RAY.stop()  # one Ray at a time on this machine: the chaos run starts a head of its own
+    # six tool calls each, faults within the first 20 s: the run outlasts the window (with three calls a
+    # run ended before the redis restart planned 16 s in)
     config = ChaosConfig(
-        trajectories=20, window_s=30.0, run_bound_s=240.0, work_dir=tmp_path_factory.mktemp("chaos")
+        trajectories=20,
+        window_s=20.0,
+        tool_calls=6,
+        run_bound_s=240.0,
+        work_dir=tmp_path_factory.mktemp("chaos"),
     )
     yield run_chaos([0, 1], config)
 
