@@ -23,6 +23,13 @@ it one connection pool, per target (base URL, API key variable, tally). A trajec
   (``actors.provider_tally``) is written by the client actor, per trajectory, as before;
 - the trajectory stays the only writer of its record: the client actor holds no record and writes no log.
 
+A client retires when its node has made no model call for ``idle_exit_s`` (default 30 s): an actor on a node
+keeps the Ray autoscaler from removing it, and a node whose trajectories are gone must be able to go. It
+retires only with no call in flight, answers ``_RETIRED`` to a call that arrives meanwhile (before touching
+the provider), and exits with ``exit_actor``; the handle then finds or creates the node's client again and
+sends the call there. Both ways a retired client says no (``_RETIRED``, or Ray's "died" error naming an
+intended exit) mean the call never started, so sending it again cannot double it.
+
 A trajectory killed with ``SIGKILL`` cannot send the cancel: its call in the client actor runs on to its
 reply or its deadline (``max_tokens`` and the call deadline bound it), and its outcome is simply not heard
 (the restarted trajectory's decider settles it as for any lost reply).
@@ -33,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -56,6 +64,9 @@ __all__ = ["NAMESPACE", "ModelClientActor", "ModelTarget", "RayModelClient", "cl
 NAMESPACE = "tether"
 _EARLY_CANCELS = 4_096  # cancels that arrived before their call (bounded: one that never comes is dropped)
 _HOP_GRACE_S = 30.0  # the handle's backstop beyond the deadline the client enforces itself
+IDLE_EXIT_S = 30.0  # a client with no call for this long retires (its node may then scale in)
+_RETIRED = "retired"  # a retiring client's answer to a call it did not start
+_REFIND_PAUSE_S = 0.1  # between finding a retired client's successor and asking it (the name frees on exit)
 _log = logging.getLogger(__name__)
 
 
@@ -155,7 +166,11 @@ class ModelClientActor:
     owner.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle_exit_s: float = IDLE_EXIT_S) -> None:
+        self._idle_exit_s = idle_exit_s
+        self._last_call = time.monotonic()
+        self._retiring = False
+        self._watch: asyncio.Task[None] | None = None
         self._models: dict[ModelTarget, OpenAIModel] = {}
         self._tallies: dict[str, RedisProviderTally] = {}
         self._tokens: dict[str, CancelToken] = {}
@@ -184,7 +199,11 @@ class ModelClientActor:
         return model
 
     async def complete(self, target: ModelTarget, request: ModelRequest, call_id: str) -> Any:
-        """The reply, or the call's ``_Failure``."""
+        """The reply, or the call's ``_Failure`` (``_RETIRED``: not started, this client is retiring)."""
+        if self._retiring:
+            return _RETIRED
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_idle())
         token = CancelToken()
         early = self._early.pop(call_id, None)
         if early is not None:
@@ -198,6 +217,20 @@ class ModelClientActor:
                 return _failure_of(e, model.scope)
         finally:
             del self._tokens[call_id]
+            self._last_call = time.monotonic()
+
+    async def _watch_idle(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self._idle_exit_s / 4))
+            if not self._tokens and time.monotonic() - self._last_call >= self._idle_exit_s:
+                self._retiring = True  # from here on no call starts
+                ray.get_runtime_context().current_actor.retire.remote()
+                return
+
+    async def retire(self) -> None:
+        """Exit (the watcher decided the node's model calls are over; none is in flight)."""
+        if self._retiring and not self._tokens:
+            ray.actor.exit_actor()  # type: ignore[no-untyped-call]
 
     async def cancel(self, call_id: str, reason: str) -> bool:
         """Fire the call's token (True), or remember the cancel for a call that has not started (False)."""
@@ -225,7 +258,17 @@ class ModelClientActor:
         return os.getpid()
 
 
-def node_client(node_id: str | None = None) -> Any:
+class _ClientRetired(Exception):
+    """The node's client retired before starting the call (the handle sends it to its successor)."""
+
+
+def _retired_exit(error: Exception) -> bool:
+    """Whether Ray's error says the client exited on purpose (``exit_actor``): it retires only idle, so a
+    call that met the exit was never carried out."""
+    return "INTENDED_USER_EXIT" in str(error)
+
+
+def node_client(node_id: str | None = None, idle_exit_s: float = IDLE_EXIT_S) -> Any:
     """The model client actor of ``node_id`` (default: this process's node), created if nobody has yet."""
     node = node_id or ray.get_runtime_context().get_node_id()
     actor_class: Any = ModelClientActor
@@ -236,7 +279,7 @@ def node_client(node_id: str | None = None) -> Any:
         lifetime="detached",
         max_concurrency=10_000,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-    ).remote()
+    ).remote(idle_exit_s)
 
 
 class RayModelClient:
@@ -261,7 +304,23 @@ class RayModelClient:
         """Nothing to close: the client actor belongs to the node, not to this trajectory."""
 
     async def complete(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
-        """As ``OpenAIModel.complete``, one actor call away (module docstring)."""
+        """As ``OpenAIModel.complete``, one actor call away (module docstring). A retired client did not
+        start the call: it goes to the node's client found (or created) again, until the call's deadline."""
+        while True:
+            try:
+                return await self._complete_once(request, cancel)
+            except _ClientRetired:
+                self._actor = None
+                if self._clock.wall() >= request.deadline:
+                    raise ModelCallFailed(
+                        f"model call to {self.scope}: the node's model client kept retiring until the "
+                        "call's deadline",
+                        scope=self.scope,
+                        usage=Usage(),
+                    ) from None
+                await self._clock.sleep(_REFIND_PAUSE_S)
+
+    async def _complete_once(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
         if cancel.cancelled:
             raise ModelCallCancelled(cancel.reason or "cancelled", Usage())
         call_id = uuid.uuid4().hex
@@ -311,6 +370,8 @@ class RayModelClient:
         try:
             outcome = answer.result()
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            if _retired_exit(e):
+                raise _ClientRetired from e  # exited idle, with no call in flight: this one never started
             if cancel.cancelled:
                 raise ModelCallCancelled(cancel.reason or "cancelled", Usage()) from e
             raise ModelCallFailed(
@@ -322,6 +383,8 @@ class RayModelClient:
             raise ModelCallFailed(
                 f"the model client for {self.scope} failed: {e}", scope=self.scope, usage=Usage()
             ) from e
+        if outcome == _RETIRED:
+            raise _ClientRetired
         if isinstance(outcome, _Failure):
             _raise(outcome)
         if not isinstance(outcome, ModelReply):

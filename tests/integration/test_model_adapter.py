@@ -391,3 +391,38 @@ async def test_node_client_that_died_mid_call_is_a_retryable_failure(
     with pytest.raises(ModelCallFailed) as info:
         await call
     assert "model client" in str(info.value) and not info.value.non_retryable
+
+
+async def test_an_idle_node_client_retires_and_the_next_call_goes_to_its_successor(
+    server: ProviderServer, ray_local: None
+) -> None:
+    # Given a model client that retires after half a second without a call (an actor on a node keeps the
+    # autoscaler from removing the node), and a trajectory's handle that still points at it
+    import ray
+
+    from actors.model_client import ModelClientActor
+
+    actor_class: Any = ModelClientActor
+    retiring = actor_class.options(max_restarts=0).remote(0.5)
+    model = RayModelClient(ModelTarget(server.base_url), actor=retiring)
+    await model.complete(request("finish_after:0", trajectory="before-retiring"), CancelToken())
+    # When the node has made no call for longer than that
+    await wait_for(lambda: _dead(retiring), "the idle client exited")
+    # Then the next call is carried out, once, by the node's client found again (the retired one never
+    # started it: the provider saw exactly one request for it)
+    reply = await model.complete(request("finish_after:0", trajectory="after-retiring"), CancelToken())
+    assert reply.usage.output > 0
+    assert server.stats()["trajectories"]["after-retiring"]["requests"] == 1
+    # the control: the retired client itself answers no call any more
+    with pytest.raises(ray.exceptions.RayActorError):
+        await retiring.in_flight.remote()
+
+
+def _dead(actor: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.in_flight.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
