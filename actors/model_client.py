@@ -211,10 +211,17 @@ class ModelClientActor:
         self._tokens[call_id] = token
         try:
             model = self._model(target)
+            outcome: Any
             try:
-                return await model.complete(request, token)
+                outcome = await model.complete(request, token)
             except Exception as e:
-                return _failure_of(e, model.scope)
+                outcome = _failure_of(e, model.scope)
+            # the call is in the tally before the trajectory hears of it: a run's report, read as soon as its
+            # last trajectory ends, counts every call (a fresh client's first write waits for a connection)
+            tally = self._tallies.get(target.tally_redis_url) if target.tally_redis_url else None
+            if tally is not None:
+                await tally.drain()
+            return outcome
         finally:
             del self._tokens[call_id]
             self._last_call = time.monotonic()

@@ -102,12 +102,16 @@ class RedisProviderTally:
                 "provider tally not written (a view; the calls themselves are unaffected)", exc_info=True
             )
 
-    async def aclose(self) -> None:
-        """Flush what is left and close the connection."""
+    async def drain(self) -> None:
+        """Return once everything counted so far is written (or its write has failed and been logged)."""
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 await self._writer
         await self.flush()
+
+    async def aclose(self) -> None:
+        """Flush what is left and close the connection."""
+        await self.drain()
         await self._client.aclose()
 
 
