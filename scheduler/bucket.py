@@ -361,6 +361,11 @@ class ProviderLimiter:
         )
         if tokens_ran_out:
             return  # a token 429 teaches no request limit; tokens are learned only from a stated limit
+        if info is not None and info.remaining_requests is not None and info.remaining_requests > 0:
+            # the window still had requests left: a shorter window refused this one (a provider's sub-minute
+            # enforcement, which ``remaining`` does not show). Learning "accepted so far" as the window's limit
+            # here shrank a 600 RPM key to the ~10 requests of its first second (a 50 s stall after one 429).
+            return
         accepted = self.request_window.used(now) - len(self._rejections)
         if self.learned_requests.bound(accepted):
             self._resize(now)

@@ -229,3 +229,28 @@ def test_a_token_429_pauses_the_key_but_never_shrinks_the_token_limit() -> None:
     while not (decisions := core.tick()):
         clock.advance(1.0)
     assert [(type(d), d.ticket) for d in decisions] == [(Admitted, big)]
+
+
+def test_a_sub_window_429_with_requests_left_teaches_no_request_limit() -> None:
+    """OpenAI enforces a 600 RPM limit over shorter periods too (10 requests in a second) and its
+    ``remaining`` counts only the minute. A 429 that says requests remain came from the shorter window: the
+    minute's limit stays the configured one (learning "accepted so far" there made a 600 RPM key a 10 RPM
+    one: a 50 s stall of a ``tether run`` after one 429 at its start)."""
+    clock = FakeClock()
+    limits = ProviderLimits(tokens_per_minute=10_000_000, requests_per_minute=600, headroom=0.02)
+    core = SchedulerCore(SchedulerConfig(providers={KEY: limits}), clock, id_prefix="sub")
+    clock.advance(60.0)
+    for i in range(10):
+        core.submit_turn(TurnRequest(f"t{i}", "standard", KEY, 100, clock.wall() + 600))
+    granted = []
+    while len(granted) < 10:
+        granted += [d for d in core.tick() if isinstance(d, Admitted)]
+        clock.advance(0.05)
+    # When the provider refuses the next request with 590 of its 600 requests left this minute
+    info = RateLimitInfo(retry_after_s=1.0, limit_requests=600, remaining_requests=590)
+    core.report_limits(KEY, info, rate_limited=True)
+    # Then the request limit is still 600 a minute, and the key admits again once the hint has passed
+    assert core.snapshot().lanes[KEY].limit_requests == 600
+    clock.advance(1.5)
+    core.submit_turn(TurnRequest("next", "standard", KEY, 100, clock.wall() + 600))
+    assert [type(d) for d in core.tick()] == [Admitted]
