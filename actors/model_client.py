@@ -66,6 +66,7 @@ _EARLY_CANCELS = 4_096  # cancels that arrived before their call (bounded: one t
 _HOP_GRACE_S = 30.0  # the handle's backstop beyond the deadline the client enforces itself
 IDLE_EXIT_S = 30.0  # a client with no call for this long retires (its node may then scale in)
 _RETIRED = "retired"  # a retiring client's answer to a call it did not start
+_WARM_TRIES = 20  # retiring clients met while warming before the first call finds its own way
 _REFIND_PAUSE_S = 0.1  # between finding a retired client's successor and asking it (the name frees on exit)
 _log = logging.getLogger(__name__)
 
@@ -226,6 +227,18 @@ class ModelClientActor:
             del self._tokens[call_id]
             self._last_call = time.monotonic()
 
+    async def warm(self, target: ModelTarget) -> bool:
+        """Build ``target``'s adapter (the ``openai`` import, its HTTP client) ahead of the first call; False:
+        this client is retiring. A trajectory warms its node's client before it asks for its first admission,
+        so the calls admitted while this actor started (or imported ``openai``, which holds its event loop)
+        do not queue here and reach the provider together: a burst the scheduler spaced out, which a
+        provider's sub-minute window refuses (429s at the start of a run)."""
+        if self._retiring:
+            return False
+        self._model(target).warm()
+        self._last_call = time.monotonic()
+        return True
+
     async def _watch_idle(self) -> None:
         while True:
             await asyncio.sleep(max(0.05, self._idle_exit_s / 4))
@@ -309,6 +322,15 @@ class RayModelClient:
 
     async def aclose(self) -> None:
         """Nothing to close: the client actor belongs to the node, not to this trajectory."""
+
+    async def warm(self) -> None:
+        """Have the node's client ready for this target before the first call (``ModelClientActor.warm``):
+        it is found or created and its adapter built; a retiring client's successor is found instead."""
+        for _ in range(_WARM_TRIES):
+            if await self.actor().warm.remote(self.target):
+                return
+            self._actor = None
+            await self._clock.sleep(_REFIND_PAUSE_S)
 
     async def complete(self, request: ModelRequest, cancel: CancelToken) -> ModelReply:
         """As ``OpenAIModel.complete``, one actor call away (module docstring). A retired client did not

@@ -161,6 +161,10 @@ class OpenAIModel:
             self._client = openai.AsyncOpenAI(base_url=self._base_url, api_key=self._api_key, max_retries=0)
         return self._client
 
+    def warm(self) -> None:
+        """Build the HTTP client (and import ``openai``) now, not on the first call."""
+        self._api()
+
     async def aclose(self) -> None:
         """Close the underlying HTTP client (if a call ever built it)."""
         if self._client is not None:

@@ -59,6 +59,7 @@ from runtime.metrics import Metrics
 from runtime.observe import HookChain, MetricsHooks
 from runtime.ports import AdmissionPort, GuardPort, ModelPort
 from runtime.record import AuditKind, ControlAction, Lease, LeaseKind, TrajectoryRecord
+from runtime.states import TERMINAL_STATES
 
 __all__ = [
     "NAMESPACE",
@@ -77,6 +78,7 @@ TRAJECTORY_RESOURCE = "tether_trajectory"
 NONCE_KEY_PREFIX = "tether:nonces:"
 _NONCE_TTL_S = 2 * 86_400  # longer than any message's validity window (Verifier.max_ttl_s)
 _log = logging.getLogger(__name__)
+_WARM_TIMEOUT_S = 60.0  # waiting for the node's model client before the first turn (it may be being placed)
 
 
 def _not_judged_here(_message_id: str, _nonce: str) -> bool:
@@ -150,6 +152,7 @@ class TrajectoryActor:
         self._loop_task: asyncio.Task[RunOutcome] | None = None
         self._exiting = False
         self._run_callers = 0
+        self._model_client: Any = None  # the node's model client port (model_placement: node)
 
     # ------------------------------------------------------------------ Ray methods
 
@@ -399,7 +402,8 @@ class TrajectoryActor:
 
         provider = self.launch.provider
         target = ModelTarget(provider.base_url, provider.api_key_env, tally_redis_url=self.launch.redis_url)
-        return RayModelClient(target, clock=self._clock)
+        self._model_client = RayModelClient(target, clock=self._clock)
+        return self._model_client
 
     def _admission(self) -> AdmissionPort:
         from scheduler.actor import SCHEDULER_NAME, SCHEDULER_NAMESPACE, SchedulerHandle
@@ -421,6 +425,18 @@ class TrajectoryActor:
 
         return SplitGuard(GuardHandle(holder=tid), local, frozenset({LOCAL_SCOPE}))
 
+    async def _warm_model(self) -> None:
+        """The node's model client ready before the first admission (``ModelClientActor.warm``: calls admitted
+        while it starts would reach the provider in one burst). Bounded; a failure only logs, the first model
+        call finds or creates the client itself."""
+        client = self._model_client
+        if client is None or self._harness is None or self._harness.record.state in TERMINAL_STATES:
+            return
+        try:
+            await asyncio.wait_for(client.warm(), _WARM_TIMEOUT_S)
+        except Exception as e:  # warming is an optimisation: the call path finds the client itself
+            _log.warning("%s: the node's model client was not warmed: %r", self.launch.trajectory_id, e)
+
     def _ensure_running(self) -> asyncio.Task[RunOutcome]:
         # One loop per incarnation: harness.run() only returns terminal or hibernated, and both are final
         # for this process (a hibernated actor exits; a woken trajectory runs in a new incarnation).
@@ -430,6 +446,7 @@ class TrajectoryActor:
 
     async def _loop(self) -> RunOutcome:
         harness = await self._started()
+        await self._warm_model()
         outcome = await harness.run()
         assert self._status is not None
         if outcome.hibernated:
