@@ -8,7 +8,8 @@ a sliding minute window, sub-second windows, rejected requests counted) and a ``
   workload (``--per-job`` long trajectories dealt 40/30/30 % interactive/standard/batch, each far more turns
   than the run lasts, calling the built-in ``sleep`` tool every turn for 0.05-0.5 s, the baseline's tool
   time: a ``script:`` scenario, since ``finish_after:N`` would ask it to sleep ``step`` seconds). Both name
-  the same provider key, so the second job finds the first job's scheduler actor by name and both admit against one set of buckets.
+  the same provider key, so the second job finds the first job's scheduler actor by name and both admit
+  against one set of buckets.
 - ``backoff``: two plain Python processes, each running ``--per-job`` agent loops over the ``openai`` SDK
   with the competent client-side policy (full-jitter exponential backoff honouring ``Retry-After``, SDK
   retries off: ``benchmarks._rate_policies.baseline_trajectory``), with the same classes and scenario.

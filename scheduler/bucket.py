@@ -363,7 +363,7 @@ class ProviderLimiter:
             return  # a token 429 teaches no request limit; tokens are learned only from a stated limit
         if info is not None and info.remaining_requests is not None and info.remaining_requests > 0:
             # the window still had requests left: a shorter window refused this one (a provider's sub-minute
-            # enforcement, which ``remaining`` does not show). Learning "accepted so far" as the window's limit
+            # enforcement, which ``remaining`` does not show). Learning "accepted so far" as the limit
             # here shrank a 600 RPM key to the ~10 requests of its first second (a 50 s stall after one 429).
             return
         accepted = self.request_window.used(now) - len(self._rejections)
