@@ -433,12 +433,14 @@ class Sandbox:
             if not alive or await self._wait_gone(running, self.term_grace_s):
                 return
         # The wrapper's group first (one syscall; its namespace's PID 1 has the wrapper's death as its
-        # parent-death signal), then the namespace's PID 1 itself (the kernel then kills every other
-        # process of the namespace), then whatever carries this run's id: both scan /proc.
+        # parent-death signal), then the namespace's PID 1 itself (one more: the kernel then kills every
+        # other process of the namespace). Nothing here scans /proc: under load a scan of every process's
+        # environment costs tens of ms, and the group would wait for it to be reaped. The waiting below
+        # scans once the group and the namespace are gone, for whatever still carries this run's id.
         _signal_group(running.pgid, signal.SIGKILL)
-        if ns is not None:
-            signal_namespace(ns, signal.SIGKILL, spare_init=False)
-        _kill_survivors(running.run_id)
+        if ns is not None and namespace_of(ns.init_pid) == ns.link:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(ns.init_pid, signal.SIGKILL)
         if not await self._wait_gone(running, _GONE_WITHIN_S):
             self._warn(f"sandbox group {running.pgid} still present {_GONE_WITHIN_S}s after SIGKILL")
 
@@ -452,10 +454,14 @@ class Sandbox:
                 _reap_group(running.pgid)
                 if running.ns is not None:
                     reap(running.ns.init_pid)
-            # Last, what carries this run's id and is neither: a namespace whose PID 1 outlived a wrapper
-            # killed during its setup (bwrap sets its parent-death signal too late to see that).
+            # The cheap checks first (a syscall, a readlink: the namespace lives while its PID 1 does), then
+            # the /proc scans, once they pass: the namespace's members, and last what carries this run's id
+            # and is neither (a namespace whose PID 1 outlived a wrapper killed during its setup: bwrap
+            # sets its parent-death signal too late to see that). A survivor found is SIGKILLed, and the
+            # loop goes on until a scan finds nothing.
             if (
                 _group_gone(running.pgid)
+                and (running.ns is None or namespace_of(running.ns.init_pid) != running.ns.link)
                 and (running.ns is None or not namespace_members(running.ns.link))
                 and not _kill_survivors(running.run_id)
             ):

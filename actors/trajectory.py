@@ -141,6 +141,11 @@ class TrajectoryActor:
         self.launch = TrajectoryLaunch.from_json(launch_json)
         self._adapters = adapters
         self._verifier: ControlVerifier | None = None  # one per incarnation: it caches the keyring
+        # The nonces of recorded messages: None until read from Redis (``_warm_control``); until then each
+        # check asks Redis. This incarnation is their only writer, so the copy stays whole once read.
+        self._nonces: set[str] | None = None
+        self._nonces_added: set[str] = set()  # recorded by this incarnation (joined to what is read)
+        self._warming: asyncio.Task[None] | None = None
         self._inflight: dict[str, asyncio.Future[str]] = {}  # message id -> the delivery answering it
         self._sandbox: Sandbox | None = None
         self._clock = SystemClock()
@@ -235,7 +240,7 @@ class TrajectoryActor:
         self, harness: Interpreter, msg: ControlEnvelope, verified: VerifiedControl
     ) -> str:
         """Record a verified message with a new id, unless its nonce was used (a replay)."""
-        if await self._client().sismember(self._nonce_key, msg.nonce):
+        if await self._nonce_used(msg.nonce):
             await self._audit(harness, msg, "REPLAYED", f"message {msg.message_id}: nonce already used")
             return "rejected:REPLAYED"
         payload: dict[str, Any] = dict(msg.payload)
@@ -250,6 +255,9 @@ class TrajectoryActor:
             return f"rejected:{_refusal_reason(harness.record, msg.message_id)}"
         if answer == "recorded":
             # the nonce set holds only verified, recorded messages
+            self._nonces_added.add(msg.nonce)
+            if self._nonces is not None:
+                self._nonces.add(msg.nonce)
             client = self._client()
             await client.sadd(self._nonce_key, msg.nonce)
             await client.expire(self._nonce_key, _NONCE_TTL_S)
@@ -324,6 +332,26 @@ class TrajectoryActor:
             self._verifier = self._adapters.control_verifier(self.launch.keyring_path)
         return self._verifier
 
+    async def _nonce_used(self, nonce: str) -> bool:
+        if self._nonces is not None:
+            return nonce in self._nonces
+        return bool(await self._client().sismember(self._nonce_key, nonce))
+
+    async def _warm_control(self) -> None:
+        """What a control message needs, made ready off its path once the trajectory has started: the
+        verifier (Ed25519 and the keyring: 36 ms to import on a quiet machine, up to half a second beside
+        100 live trajectories, and a trajectory's first message is often its kill; ~1.6 MB USS, the
+        library's pages being shared) and the used nonces (so a check costs no Redis round trip, which an
+        fsync stall of the server can hold for seconds). A failure only logs: the message path does both
+        itself."""
+        try:
+            await asyncio.to_thread(self._control_verifier)
+            used = await self._client().smembers(self._nonce_key)
+        except Exception as e:
+            _log.warning("%s: control not prepared ahead: %r", self.launch.trajectory_id, e)
+            return
+        self._nonces = {n.decode() if isinstance(n, bytes) else str(n) for n in used} | self._nonces_added
+
     async def _audit(self, harness: Interpreter, msg: ControlEnvelope, reason: str, detail: str) -> None:
         answer = await harness.deliver(ControlRefused(msg.message_id, reason, detail[:500]))
         if answer == "rejected" and self._status is not None:
@@ -368,6 +396,7 @@ class TrajectoryActor:
             await harness.create(build_created(launch, registry))
             self._status.show(harness.record)
             self._harness = harness
+            self._warming = asyncio.ensure_future(self._warm_control())
             return harness
 
     def _supervise(self, built: BuiltPorts) -> None:
@@ -466,6 +495,8 @@ class TrajectoryActor:
         return outcome
 
     async def _shutdown(self) -> None:
+        if self._warming is not None and not self._warming.done():
+            self._warming.cancel()
         if self._harness is not None:
             await self._harness.close()
         if self._built is not None:

@@ -229,3 +229,47 @@ async def test_a_refusal_names_the_deciders_reason(
         assert resume == "rejected:TRAJECTORY_TERMINAL"
     finally:
         await _close(a)
+
+
+class ForgetsUsedNonces(TrajectoryActor):
+    """Protection off: the used nonces prepared ahead without reading what earlier incarnations recorded."""
+
+    async def _warm_control(self) -> None:
+        self._nonces = set(self._nonces_added)
+
+
+@pytest.mark.parametrize("kind", [TrajectoryActor, ForgetsUsedNonces], ids=["read", "protection-off"])
+async def test_a_later_incarnation_refuses_a_nonce_an_earlier_one_recorded(
+    redis_url: str, keyring: Path, provider: ProviderThread, kind: type[TrajectoryActor]
+) -> None:
+    # Given an interrupt recorded by one incarnation of a trajectory, which then goes away
+    first = _actor(TrajectoryActor, redis_url, keyring, provider)
+    tid = first.launch.trajectory_id
+    key = load_private_key("alice", keyring)
+    m1 = sign(ControlMessage.create(tid, ControlAction.INTERRUPT, "alice", now=time.time()), "alice", key)
+    try:
+        assert await first.deliver(encode_message(m1)) == "recorded"
+    finally:
+        await _close(first)
+
+    # When the next incarnation has prepared its control path (the nonces read ahead of any message) and
+    # is sent a new, validly signed message that reuses the recorded one's nonce
+    later = kind(first.launch.to_json(), ClusterAdapters())
+    try:
+        await later._started()
+        assert later._warming is not None
+        await asyncio.wait_for(later._warming, 30.0)
+        assert later._nonces is not None  # the check below is answered from the copy, not from Redis
+        m2 = ControlMessage.create(tid, ControlAction.INTERRUPT, "alice", now=time.time())
+        replay = sign(m2.model_copy(update={"nonce": m1.nonce}), "alice", key)
+        answer = await later.deliver(encode_message(replay))
+    finally:
+        await _close(later)
+
+    # Then it is refused as a replay (protection off: recorded)
+    recorded = [e.message_id for e in await _events(redis_url, tid) if isinstance(e, ControlRequested)]
+    if kind is ForgetsUsedNonces:
+        assert answer == "recorded" and recorded == [m1.message_id, m2.message_id]
+        return
+    assert answer == "rejected:REPLAYED"
+    assert recorded == [m1.message_id]
