@@ -88,6 +88,11 @@ class ControlVerifier(Protocol):
         (``seen(message_id, nonce)``); ``runtime.errors.ControlError`` with the reason code otherwise."""
         ...
 
+    def prepare(self) -> None:
+        """Load now what the first ``verify`` would (the keyring, the signature code), so that message does
+        not wait for it. Raises what that load raises."""
+        ...
+
 
 # --------------------------------------------------------------------------- views and the log
 

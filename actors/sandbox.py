@@ -459,11 +459,12 @@ class Sandbox:
             # and is neither (a namespace whose PID 1 outlived a wrapper killed during its setup: bwrap
             # sets its parent-death signal too late to see that). A survivor found is SIGKILLed, and the
             # loop goes on until a scan finds nothing.
+            # The scans run in a thread: under load they take tens to hundreds of ms, and the actor's loop
+            # has messages to answer meanwhile.
             if (
                 _group_gone(running.pgid)
                 and (running.ns is None or namespace_of(running.ns.init_pid) != running.ns.link)
-                and (running.ns is None or not namespace_members(running.ns.link))
-                and not _kill_survivors(running.run_id)
+                and await asyncio.to_thread(_nothing_left, running.ns, running.run_id)
             ):
                 return True
             if loop.time() >= give_up:
@@ -534,6 +535,13 @@ def _sandbox_processes_of(workspace: Path) -> list[int]:
         if home in environ and any(v.startswith(run) for v in environ):
             found.append(int(entry.name))
     return found
+
+
+def _nothing_left(ns: Namespace | None, run_id: str) -> bool:
+    """No member of ``ns`` and no process carrying ``run_id`` (a survivor found is SIGKILLed)."""
+    if ns is not None and namespace_members(ns.link):
+        return False
+    return not _kill_survivors(run_id)
 
 
 def _kill_survivors(run_id: str) -> bool:

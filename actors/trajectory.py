@@ -339,16 +339,19 @@ class TrajectoryActor:
 
     async def _warm_control(self) -> None:
         """What a control message needs, made ready off its path once the trajectory has started: the
-        verifier (Ed25519 and the keyring: 36 ms to import on a quiet machine, up to half a second beside
-        100 live trajectories, and a trajectory's first message is often its kill; ~1.6 MB USS, the
+        verifier (Ed25519 and the keyring: 36 ms to import and parse on a quiet machine, up to half a second
+        beside 60 live trajectories, and a trajectory's first message is often its kill; ~1.6 MB USS, the
         library's pages being shared) and the used nonces (so a check costs no Redis round trip, which an
         fsync stall of the server can hold for seconds). A failure only logs: the message path does both
         itself."""
         try:
-            await asyncio.to_thread(self._control_verifier)
+            await asyncio.to_thread(self._control_verifier().prepare)
+        except Exception as e:  # no keyring yet, say: the first message meets (and reports) the same
+            _log.debug("%s: the control verifier was not prepared: %r", self.launch.trajectory_id, e)
+        try:
             used = await self._client().smembers(self._nonce_key)
         except Exception as e:
-            _log.warning("%s: control not prepared ahead: %r", self.launch.trajectory_id, e)
+            _log.warning("%s: used nonces not read ahead: %r", self.launch.trajectory_id, e)
             return
         self._nonces = {n.decode() if isinstance(n, bytes) else str(n) for n in used} | self._nonces_added
 
@@ -431,8 +434,9 @@ class TrajectoryActor:
 
         provider = self.launch.provider
         target = ModelTarget(provider.base_url, provider.api_key_env, tally_redis_url=self.launch.redis_url)
-        self._model_client = RayModelClient(target, clock=self._clock)
-        return self._model_client
+        client = RayModelClient(target, clock=self._clock)
+        self._model_client = client
+        return client
 
     def _admission(self) -> AdmissionPort:
         from scheduler.actor import SCHEDULER_NAME, SCHEDULER_NAMESPACE, SchedulerHandle

@@ -102,6 +102,9 @@ class KeyringVerifier:
             self.loads += 1
         return self._verifier
 
+    def prepare(self) -> None:
+        self._current()
+
     def decode(self, data: bytes) -> ControlEnvelope:
         return envelope_of(decode_message(data), bytes(data))
 
