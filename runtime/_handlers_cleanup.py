@@ -13,9 +13,9 @@ once per operation, in order; a check's verdict is filed once, under the revisio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from runtime._handlers_common import Handler, audit, refuse, with_item
+from runtime._replace import replace
 from runtime.events import (
     CandidateChecked,
     CandidateRevised,

@@ -9,9 +9,9 @@ wall-clock time never decreases. Grants only narrow, and FINALIZING releases lea
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from runtime._handlers_common import Handler, audit, charged, refuse, with_item, without_item
+from runtime._replace import replace
 from runtime.budget import Dimension
 from runtime.events import (
     BudgetCharged,

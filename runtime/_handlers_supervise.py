@@ -11,9 +11,9 @@ the child really spent when it settles (so the parent's spend always covers its 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from runtime._handlers_common import Handler, refuse, require_state, with_item
+from runtime._replace import replace
 from runtime.delegation import PARTITIONED
 from runtime.escalation import Escalation, EscalationStatus, EscalationTrigger
 from runtime.events import (
@@ -45,7 +45,7 @@ def _policy(rec: TrajectoryRecord) -> SupervisionPolicy:
 
 
 def _sup(rec: TrajectoryRecord, **changes: object) -> TrajectoryRecord:
-    return replace(rec, supervision=replace(rec.supervision, **changes))  # type: ignore[arg-type]
+    return replace(rec, supervision=replace(rec.supervision, **changes))
 
 
 # --------------------------------------------------------------------------- the hold

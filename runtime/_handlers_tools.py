@@ -16,7 +16,6 @@ and is allowed only where ``may_redispatch`` says so; a settled operation stays 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from runtime._handlers_common import (
     Handler,
@@ -27,6 +26,7 @@ from runtime._handlers_common import (
     with_item,
     without_item,
 )
+from runtime._replace import replace
 from runtime.budget import meter_tool_call
 from runtime.events import (
     ApprovalDecided,

@@ -8,9 +8,9 @@ a reply that ended cleanly is appended to the context (quarantine), and only a t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from runtime._handlers_common import Handler, charged, refuse, require_state
+from runtime._replace import replace
 from runtime.budget import Dimension, PriceTable, meter_model_call, meter_turn
 from runtime.events import (
     CompletionChecked,

@@ -28,7 +28,6 @@ This module is the entry point and re-exports the transition and the decisions, 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 
 from runtime._handlers_cleanup import HANDLERS as CLEANUP_HANDLERS
 from runtime._handlers_common import Handler, refuse
@@ -36,6 +35,7 @@ from runtime._handlers_governance import HANDLERS as GOVERNANCE_HANDLERS
 from runtime._handlers_supervise import HANDLERS as SUPERVISE_HANDLERS
 from runtime._handlers_tools import HANDLERS as TOOLS_HANDLERS
 from runtime._handlers_turn import HANDLERS as TURN_HANDLERS
+from runtime._replace import replace
 from runtime.budget import BudgetCeilings, BudgetStage, Spend
 from runtime.decisions import expired_calls, on_control, on_tool_result, retry_of
 from runtime.errors import IllegalEvent, IllegalTransition, InvalidLog

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+from runtime._replace import replace
 from runtime.ports import Settlement
 
 __all__ = [

@@ -16,9 +16,9 @@ Invariant 4 (terminal states are absorbing) is enforced before any rule runs, in
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
+from runtime._replace import replace
 from runtime.budget import BudgetStage
 from runtime.errors import IllegalTransition
 from runtime.events import StateChanged

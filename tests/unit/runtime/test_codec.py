@@ -36,6 +36,14 @@ def test_every_event_kind_round_trips(event: Event) -> None:
     assert _raw(event)["v"] == SCHEMA_VERSION and _raw(event)["kind"] == event.kind
 
 
+@pytest.mark.parametrize("event", EXAMPLES, ids=[f"{i}-{e.kind}" for i, e in enumerate(EXAMPLES)])
+def test_the_compiled_encoder_writes_what_the_reference_rules_write(event: Event) -> None:
+    # encode() runs each type's compiled encoder and falls back to the reference (_encode) only on a refusal
+    from runtime.codec import _encode, _encoder
+
+    assert _encoder(type(event))(event) == _encode(type(event), event, "data")
+
+
 def _mutated(change: Any) -> bytes:
     raw = _raw(created())
     change(raw)
@@ -152,6 +160,11 @@ def test_encode_refuses_values_the_log_cannot_hold() -> None:
     with pytest.raises(CodecError, match="not a JSON value") as info:
         encode(event)
     assert info.value.where == "data.contract.completion_check.params.when"
+    # and a non-finite float is refused where it is, as before the encoders were compiled
+    nan = TaskContract("goal", CompletionCheck("pytest", {"x": [1.0, float("nan")]}))
+    with pytest.raises(CodecError, match="non-finite") as info:
+        encode(created(contract=nan))
+    assert info.value.where == "data.contract.completion_check.params.x[1]"
 
 
 def test_an_int_is_accepted_where_a_float_is_declared() -> None:
