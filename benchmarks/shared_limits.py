@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, help="turns each trajectory is scripted to take")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--out", type=Path, help="result path (default: results/shared_limits[.quick].json)")
+    parser.add_argument(
+        "--plot-only", action="store_true", help="redraw the PNG from the stored result JSON, run nothing"
+    )
     parser.add_argument("--baseline-job", help=argparse.SUPPRESS)  # internal: one baseline job's process
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -341,6 +344,10 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(baseline_job(args.baseline_job, args.base_url, args.per_job, args.turns))
         return
     spec = QUICK if args.quick else FULL
+    if args.plot_only:
+        stored: Path = args.out or result_path(NAME, spec.quick)
+        print(write_png(stored.with_suffix(".png"), json.loads(stored.read_text())))
+        return
     overrides: dict[str, Any] = {}
     if args.runs is not None:
         overrides["runs"] = max(MIN_RUNS, args.runs)
@@ -354,8 +361,50 @@ def main(argv: list[str] | None = None) -> None:
     out: Path = args.out or result_path(NAME, spec.quick)
     write_json(out.stem, report, out.parent)
     print(out)
+    print(write_png(out.with_suffix(".png"), report))
     for policy, a in report["policies"].items():
         print(f"{policy:8s} goodput {a['goodput_ratio']}  429s {a['rate_limited']}  shares {a['job_share']}")
+
+
+def write_png(path: Path, report: Mapping[str, Any]) -> Path:
+    """Per run and policy: the combined goodput of the two jobs (bars, left axis, with each job's part)
+    and the provider's 429s (right panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    policies = report["policies"]
+    fig, (ax_g, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / max(1, len(policies))
+    for k, (policy, agg) in enumerate(policies.items()):
+        runs = agg["per_run"]
+        xs = [i + k * width for i in range(len(runs))]
+        bottom = [0.0] * len(runs)
+        for j, job in enumerate(sorted(runs[0]["job_share"])):
+            part = [r["goodput_ratio"] * r["job_share"][job] for r in runs]
+            combined = f" (combined median {agg['goodput_ratio']['median']:.3f})" if j else ""
+            label = f"{policy}: {job}{combined}"
+            ax_g.bar(xs, part, width, bottom=bottom, label=label, alpha=0.55 + 0.3 * j)
+            bottom = [b + p for b, p in zip(bottom, part, strict=True)]
+        bars = ax_r.bar(xs, [r["rate_limited"] for r in runs], width, label=policy)
+        ax_r.bar_label(bars, fontsize=8)  # a policy's 0 shows as a number, not as nothing
+    ticks = [i + 0.4 - width / 2 for i in range(len(next(iter(policies.values()))["per_run"]))]
+    for ax in (ax_g, ax_r):
+        ax.set_xticks(ticks, [f"run {i + 1}" for i in range(len(ticks))])
+        ax.grid(alpha=0.3, axis="y")
+    ax_g.axhline(1.0, color="grey", linestyle=":", label="the key's limit")
+    ax_g.set_ylabel("goodput: useful tokens per minute / limit")
+    ax_g.set_title(f"two jobs on one key, one Ray cluster (commit {report['commit']['sha'][:8]})")
+    ax_g.set_ylim(0, 1.45)
+    ax_g.legend(fontsize=7, loc="upper left", ncol=2)
+    ax_r.set_ylabel("429 answers from the provider")
+    ax_r.set_title("rate-limited requests per run")
+    ax_r.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
