@@ -19,6 +19,9 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   ``StateChanged`` in the log (server clock), for comparison. ``--kill-rounds K`` repeats this on K fresh
   fleets of N (each round: N live at its first kill, N/2 + 1 at its last one-at-a-time kill), so the
   one-at-a-time percentiles pool N/2 x K kills (200 at the defaults); each round's own are kept too.
+- ``redis_fsync_stalls``: per kill round, the seconds in which Redis's own latency monitor saw an AOF fsync of
+  100 ms or more while the kills ran (with ``appendfsync always`` the server's thread waits for the disk,
+  and every client's command with it: the kill's XADD, the relay's read), and the slowest.
 - ``sandbox_teardown_ms``: ``actors.sandbox.Sandbox.kill_all`` on N real sandboxed ``sleep`` process
   groups in this process (SIGKILL at once, wait until ``killpg(pgid, 0)`` fails).
 - Provenance (``benchmarks._common.provenance``): the commit, the machine calibration before and after,
@@ -417,6 +420,10 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
         relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         kills: list[float] = []
         kills_terminal: list[float] = []
+        fsync_stalls: list[dict[str, Any]] = []
+        # Redis's own record of slow fsyncs (appendfsync always: the server's thread waits for the disk,
+        # and every client with it), read after each round's kills
+        await fleet.redis.config_set("latency-monitor-threshold", _SLOW_FSYNC_MS)
         kills_burst: list[float] = []
         kills_burst_terminal: list[float] = []
         startup: list[float] = []
@@ -434,8 +441,10 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
                     record_burst += await record_round(fleet, tids, r)
             half = len(tids) // 2
             load_before_kills.append(round(os.getloadavg()[0], 2))
+            kills_began = int(time.time())
             paced, paced_terminal = await kill_paced(fleet, tids[:half], groups)
             burst, burst_terminal = await kill_all(fleet, tids[half:], groups)
+            fsync_stalls.append(await slow_fsyncs(fleet, since=kills_began))
             for tid in tids:
                 groups.pop(tid, None)
             kills += paced
@@ -492,6 +501,7 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
         "sandbox_teardown_ms": _pct(teardown),
         "kill_rounds": per_round,
         "kill_p99_ms_over_rounds": spread([r["kill_ms"]["p99"] for r in per_round], digits=1),
+        "redis_fsync_stalls": fsync_stalls,
         "kill_burst_p99_ms_over_rounds": spread([r["kill_burst_ms"]["p99"] for r in per_round], digits=1),
         "hibernated_bytes": hib,
         "samples": {
@@ -525,6 +535,21 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
             "load_avg_1m_before_kills": load_before_kills,
             "sandbox_command": "sh -c 'sleep 3600 & wait' (run_command, empty argv -> launch default)",
         },
+    }
+
+
+_SLOW_FSYNC_MS = 100
+
+
+async def slow_fsyncs(fleet: Fleet, since: int) -> dict[str, Any]:
+    """The seconds since ``since`` in which an AOF fsync took >= 100 ms, from Redis's latency monitor
+    (``LATENCY HISTORY aof-fsync-always``: the slowest per second, the last 160 such seconds)."""
+    raw = await fleet.redis.execute_command("LATENCY", "HISTORY", "aof-fsync-always")  # type: ignore[no-untyped-call]
+    stalls = [int(ms) for at, ms in raw if int(at) >= since]
+    return {
+        "seconds_with_a_stall": len(stalls),
+        "max_ms": max(stalls, default=0),
+        "threshold_ms": _SLOW_FSYNC_MS,
     }
 
 
