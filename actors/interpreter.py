@@ -535,20 +535,33 @@ class Interpreter:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _answer(self, work: Coroutine[Any, Any, Input | None]) -> None:
-        """Run one effect and decide its result (if it has one)."""
+    async def _answer(self, effect: Effect) -> None:
+        """Run one effect and decide its result (if it has one).
+
+        Permits travel with their attempt: the decider gives them back when it decides the attempt's
+        result. A result it never decides (the interpreter closed, or recovery stopped the effect) would
+        keep its permits until their leases lapse (the guard's ``lease_s``, minutes), so they are given
+        back here, with no outcome recorded: a probe among them counts as abandoned."""
+        held = _permits_of(effect)
+        decided = False
         try:
-            inp = await work
+            inp = await self._carry(effect)
+            held = _permits_of(inp) or held
             if aio.cancel_requested():
                 # cancelled (close, or recovery after a failed write), but a library below turned the cancel
                 # into an error the effect reported as its result: a result of a stopped effect is not decided
                 raise asyncio.CancelledError
             if inp is not None and not self._closed:
                 await self.submit(inp, durable=False)
+                decided = True
         except asyncio.CancelledError:
             raise
         except Exception:
             _log.exception("%s: an effect's result could not be decided", self.trajectory_id)
+        finally:
+            if held is not None and not decided:
+                # shielded: a second cancel (close's) must not stop the release half way
+                await asyncio.shield(self._release(*held, None))
 
     def _start(self, effect: Effect) -> None:
         if isinstance(effect, StartTimer):
@@ -562,7 +575,7 @@ class Interpreter:
             self._hibernated = True
             self._ended.set()
         else:
-            self._spawn(self._answer(self._carry(effect)))
+            self._spawn(self._answer(effect))
 
     async def _carry(self, effect: Effect) -> Input | None:
         if isinstance(effect, RequestAdmission):
@@ -815,3 +828,11 @@ class Interpreter:
                 await self.submit(TimerDue(timer.timer_id), durable=False)
             except Exception:
                 _log.exception("%s: timer %s could not be decided", self.trajectory_id, timer.timer_id)
+
+
+def _permits_of(item: Effect | Input | None) -> tuple[GuardPermit | None, SandboxPermit | None] | None:
+    """The permits an attempt in flight holds: those a dispatch carries, or those a grant or an outcome
+    brings back; None when there are none."""
+    if not isinstance(item, DispatchTool | PermitGranted | ToolOutcomeReceived):
+        return None
+    return None if item.guard is None and item.sandbox is None else (item.guard, item.sandbox)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from actors.interpreter import Interpreter, InterpreterPorts
+from breakers import InProcessGuard
 from runtime.clock import FakeClock
 from runtime.inputs import ControlReceived
 from runtime.memstore import MemoryLogStore
@@ -269,3 +270,55 @@ async def test_a_compacted_log_wakes_to_the_record_the_whole_log_gives() -> None
     assert from_snapshot == from_whole
     assert from_snapshot.spend == before.spend and from_snapshot.turn_count == before.turn_count
     assert from_snapshot.operations.keys() == before.operations.keys()
+
+
+# ----------------------------------------------------------------------------- permits of stopped attempts
+#
+# Judged by the real guard (``breakers.InProcessGuard``): its bulkhead's own count of slots held. Found by
+# benchmarks.retry_storm: 100 trajectories in one process, each a call in flight when it ended; 41 slots
+# stayed held (the guard's lease is 300 s), the scope's bulkhead filled and traffic stalled after the heal.
+
+
+def _guarded(log: MemoryLogStore, tools: HangingTools) -> tuple[Interpreter, InProcessGuard]:
+    clock = FakeClock()
+    guard = InProcessGuard(clock)
+    ports = InterpreterPorts(
+        model=OneCallModel(), tools=tools, log=log, admission=OpenAdmission(), clock=clock, guard=guard
+    )
+    return Interpreter("t1", policy(), ports), guard
+
+
+def _slots_held(guard: InProcessGuard) -> int:
+    return sum(guard.snapshot(scope).in_flight for scope in guard.scopes())
+
+
+async def test_closing_with_a_call_in_flight_gives_its_permit_back() -> None:
+    # Given a trajectory whose tool call holds a guard slot and hangs at the dependency
+    tools = HangingTools()
+    interp, guard = _guarded(MemoryLogStore(), tools)
+    await interp.create(created(FakeClock()))
+    await _until(lambda: tools.invoked and interp.record.state is S.WAITING_TOOL, "the call in flight")
+    assert _slots_held(guard) == 1
+    # When the interpreter closes (its actor goes away) before the call's result is decided
+    await interp.close()
+    # Then the slot is free at once, not when its lease lapses
+    assert _slots_held(guard) == 0
+
+
+async def test_a_call_stopped_for_recovery_gives_its_permit_back() -> None:
+    # Given a tool call in flight, holding a guard slot
+    log, tools = FailingOnce(), HangingTools()
+    interp, guard = _guarded(log, tools)
+    await interp.create(created(FakeClock()))
+    await _until(lambda: tools.invoked and interp.record.state is S.WAITING_TOOL, "the call in flight")
+    # When a write fails and the interpreter recovers (stopping the call) and dispatches the call again
+    log.fail = True
+    roles = {"alice": frozenset({"operator"})}
+    approve = ControlReceived("a1", ControlAction.APPROVE, "alice", "ok", {"call_digest": "x"}, roles)
+    with pytest.raises(ConnectionError):
+        await interp.submit(approve)
+    await _until(lambda: len(tools.invoked) == 2, "the call dispatched again after the recovery")
+    # Then only the new attempt holds a slot
+    assert _slots_held(guard) == 1
+    await interp.close()
+    assert _slots_held(guard) == 0
