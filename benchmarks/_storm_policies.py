@@ -279,11 +279,19 @@ async def run_tether(
     provider_url: str,
     testbed_address: str,
     guard: InProcessGuard,
+    client: openai.AsyncOpenAI,
+    tools: GrpcToolPort,
     counters: Counters,
     turns: int,
     call_timeout_s: float,
 ) -> None:
-    """One trajectory through the decider and its interpreter, wired as the trajectory actor wires it."""
+    """One trajectory through the decider and its interpreter, wired as the trajectory actor wires it.
+
+    ``client`` and ``tools`` are shared by every trajectory of the run, as the baselines share theirs and
+    as the per-node model client (``actors.model_client``) shares its pool: building an ``AsyncOpenAI``
+    per trajectory spent ~40 % of this process's event loop in ``ssl.create_default_context`` (py-spy), and
+    the lag it caused (0.3-1.2 s) turned healthy calls into caller-side timeouts that reopened the breaker.
+    """
     launch = TrajectoryLaunch(
         trajectory_id=trajectory_id,
         goal="Find the packages the task needs.",
@@ -304,8 +312,7 @@ async def run_tether(
     clock = SystemClock()
     registry = build_registry(launch)
     counting_guard = CountingGuard(guard, counters, trajectory_id)
-    model = OpenAIModel(base_url=provider_url, clock=clock)
-    tools = GrpcToolPort({TOOL: testbed_address}, clock=clock)
+    model = OpenAIModel(base_url=provider_url, clock=clock, client=client)
     ports = InterpreterPorts(
         model=model,
         tools=CountingTools(tools, counters, trajectory_id),
@@ -321,8 +328,6 @@ async def run_tether(
     finally:
         counters.finish(counting_guard.keys)
         await interpreter.close()
-        await tools.close()
-        await model.aclose()
 
 
 # ----------------------------------------------------------------------------- baselines

@@ -105,6 +105,8 @@ async def run_policy(policy: str, s: Scenario, provider_url: str, run_no: int) -
                         provider_url=provider_url,
                         testbed_address=testbed.address,
                         guard=guard,
+                        client=client,
+                        tools=tools,
                         counters=counters,
                         turns=s.turns,
                         call_timeout_s=s.call_timeout_s,
