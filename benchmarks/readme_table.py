@@ -82,6 +82,12 @@ def retry_storm(d: Mapping[str, Any]) -> str:
             f"operations {_s(p['operations_refused'])}, peak in service {_s(p['peak_in_service'])}, "
             f"recovery {_s(p['recovery_s'])} s"
             + ("" if all(p.get("recovered_within_run", [True])) else " (not always within the run)")
+            + (
+                f", ok operations/s from 20 s after the heal {_s(p['settled_ratio_after_heal'], 2)} of the "
+                f"pre-outage rate, ok operations {_s(p['operations_ok'])}"
+                if "settled_ratio_after_heal" in p
+                else ""
+            )
         )
     s = d.get("settings") or {}
     outage = s.get("outage_end_s", 0) - s.get("outage_start_s", 0)
