@@ -9,9 +9,14 @@ Rules (recovery chapter §12.7.1, equation 7 and table 7):
 - OPEN withholds new calls and answers with ``BreakerOpen`` naming the scope and the estimated cooldown.
 - After the cooldown exactly one probe permit is claimed (HALF_OPEN); everything else is still withheld.
 - Only an outcome carrying the current ``breaker_generation`` changes state. A failed probe reopens, bumps
-  the generation and lengthens the cooldown (``min(multiplier * cooldown, cap)``); a successful probe closes
-  and resets the cooldown. A late result of an older generation changes nothing here: it settles its own
-  operation in the caller's operation table.
+  the generation and lengthens the cooldown (``min(multiplier * cooldown, cap)``); a successful probe closes.
+  A late result of an older generation changes nothing here: it settles its own operation in the caller's
+  operation table.
+- A successful probe proves only that one isolated request was handled, so regular traffic comes back
+  gradually (§12.7.1): for ``restore_s`` after the close, ``admission_share`` grows linearly from
+  ``restore_start_share`` to 1, and the caller scales its concurrency cap by it (``breakers.scope_guard``
+  scales the bulkhead). A trip during the restore is a failed trial, not a fresh one: it lengthens the
+  cooldown as a failed probe does. The cooldown resets only when the restore has run its course.
 
 The generation increments on every entry into OPEN (trip or reopen), so each trial cycle has its own
 generation: calls admitted before a trip, and a probe that failed, carry an older number than the probe of
@@ -65,6 +70,12 @@ class BreakerPolicy(BaseModel):
     max_cooldown_s: float = Field(80.0, gt=0.0, description="cap on the lengthened cooldown")
     window_age_s: float | None = Field(
         None, gt=0.0, description="outcomes older than this leave the window (None: count-based only)"
+    )
+    restore_s: float = Field(
+        10.0, ge=0.0, description="after a successful probe, traffic returns over this long (0: at once)"
+    )
+    restore_start_share: float = Field(
+        0.1, gt=0.0, le=1.0, description="share of the concurrency cap admitted right after the close"
     )
 
     @model_validator(mode="after")
@@ -129,6 +140,7 @@ class Breaker:
         self._window: deque[_Observation] = deque(maxlen=policy.window_size)
         self._cooldown_s = policy.cooldown_s
         self._opened_at = 0.0
+        self._restoring_since: float | None = None
         self._probes_claimed = 0
         self._observe(None)  # the scope shows up, CLOSED
 
@@ -144,8 +156,22 @@ class Breaker:
 
     @property
     def cooldown_s(self) -> float:
-        """The cooldown of the current (or next) OPEN interval."""
+        """The cooldown of the current (or next) OPEN interval; while restoring, of the last one."""
+        self._restore_progress()
         return self._cooldown_s
+
+    @property
+    def restoring(self) -> bool:
+        """CLOSED after a successful probe, with regular traffic still coming back (``restore_s``)."""
+        return self._restore_progress() < 1.0
+
+    def admission_share(self) -> float:
+        """The share of the scope's concurrency that regular traffic may use now: 1.0, except while
+        restoring after a close (linear from ``restore_start_share`` to 1 over ``restore_s``). What the gate
+        withholds while OPEN or HALF_OPEN is ``withholding``'s answer, not this one's."""
+        progress = self._restore_progress()
+        start = self.policy.restore_start_share
+        return start + (1.0 - start) * progress
 
     @property
     def probes_claimed(self) -> int:
@@ -265,14 +291,31 @@ class Breaker:
     def _maybe_trip(self) -> bool:
         size, failures = self.window_counts()
         if should_trip(size, failures, self.policy):
-            self._reopen(lengthen=False)
+            # Tripping while regular traffic was still coming back: the probe's success did not hold, so
+            # this is the next failed trial of the same outage, lengthened like a failed probe's cooldown.
+            self._reopen(lengthen=self.restoring)
             return True
         return False
+
+    def _restore_progress(self) -> float:
+        """How far the restore after the last close has come (1.0: done, or none under way); completing it
+        resets the cooldown, since only then has the scope shown itself healthy under regular traffic."""
+        since = self._restoring_since
+        if since is None:
+            return 1.0
+        if self._state is BreakerState.CLOSED:
+            elapsed = self._clock.now() - since
+            if elapsed < self.policy.restore_s:
+                return max(0.0, elapsed / self.policy.restore_s)
+            self._cooldown_s = self.policy.cooldown_s
+        self._restoring_since = None
+        return 1.0
 
     def _reopen(self, *, lengthen: bool) -> None:
         if lengthen:
             lengthened = self._cooldown_s * self.policy.cooldown_multiplier
             self._cooldown_s = min(lengthened, self.policy.max_cooldown_s)
+        self._restoring_since = None
         self._state = BreakerState.OPEN
         self._generation += 1
         self._opened_at = self._clock.now()
@@ -280,5 +323,8 @@ class Breaker:
 
     def _close(self) -> None:
         self._state = BreakerState.CLOSED
-        self._cooldown_s = self.policy.cooldown_s
         self._window.clear()
+        if self.policy.restore_s > 0.0:
+            self._restoring_since = self._clock.now()  # the cooldown resets when the restore completes
+        else:
+            self._cooldown_s = self.policy.cooldown_s

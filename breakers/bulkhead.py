@@ -5,6 +5,8 @@
   records why).
 - Queued requests do not hold a concurrency slot. Nothing queued is handed a lease after its deadline: the
   deadline is absolute epoch seconds (``Clock.wall()``, the ports' time convention), checked at promotion.
+- The concurrency cap in force (``limit``) can be lowered below ``max_concurrent`` by the owner, e.g. while a
+  breaker restores traffic after a close; leases already held are never revoked by lowering it.
 - Every lease expires (``lease_s`` on the monotonic axis) and can be reclaimed early when a liveness
   predicate says its holder died, so a crashed caller cannot pin a slot forever (reliability guide §6.6).
 
@@ -79,6 +81,21 @@ class Bulkhead:
         self._leases: dict[str, Lease] = {}
         self._queue: OrderedDict[str, QueueTicket] = OrderedDict()
         self._ids = itertools.count(1)
+        self._limit = policy.max_concurrent
+
+    @property
+    def limit(self) -> int:
+        """The concurrency cap in force now (``max_concurrent`` unless lowered with ``set_limit``)."""
+        return self._limit
+
+    def set_limit(self, limit: int) -> None:
+        """Set the cap in force, within ``[1, max_concurrent]``. Waiting tickets a raised cap lets in are
+        promoted by the next ``promote``, ``release`` or ``reclaim``."""
+        self._limit = min(max(1, limit), self.policy.max_concurrent)
+
+    def promote(self) -> Promotions:
+        """Grant waiting tickets the free slots under the cap in force (FIFO)."""
+        return self._promote()
 
     @property
     def in_flight(self) -> int:
@@ -98,7 +115,7 @@ class Bulkhead:
         """
         if deadline <= self._clock.wall():
             raise QueuedPastDeadline(self.scope, call_id, deadline)
-        if len(self._leases) < self.policy.max_concurrent and not self._queue:
+        if len(self._leases) < self._limit and not self._queue:
             return self._grant(call_id, holder, deadline)
         if len(self._queue) < self.policy.max_queued:
             ticket = QueueTicket(f"{self.scope}#q{next(self._ids)}", call_id, holder, deadline)
@@ -173,7 +190,7 @@ class Bulkhead:
         granted: list[tuple[QueueTicket, Lease]] = []
         expired: list[QueueTicket] = []
         wall = self._clock.wall()
-        while self._queue and len(self._leases) < self.policy.max_concurrent:
+        while self._queue and len(self._leases) < self._limit:
             _, ticket = self._queue.popitem(last=False)
             if ticket.deadline <= wall:  # §12.7.3: no queued request is dispatched after its deadline
                 expired.append(ticket)

@@ -6,11 +6,17 @@ breaker permit (and with it the single half-open probe) is claimed only when a s
 A queued call is re-checked against the breaker when it leaves the queue, because waiting confers no
 bypass of the gate, and a trip or reopen rejects everything still queued at once.
 
+After a successful probe the bulkhead's cap in force follows the breaker's ``admission_share`` (§12.7.1:
+regular traffic is restored gradually under the concurrency constraint), so the calls that waited out the
+outage do not all land on the dependency at once; those above the ramped cap wait in the queue as usual.
+The cap is brought up to date at every admission, settlement and reclaim tick.
+
 Returned ``Resolution`` values tell the async shell which waiter gets which answer; this module never waits.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +76,7 @@ class GuardSnapshot:
     in_flight: int
     queued: int
     probes_claimed: int
+    concurrency_limit: int = 0  # the bulkhead's cap in force (below its maximum while restoring)
 
 
 @dataclass(slots=True)
@@ -96,6 +103,7 @@ class ScopeGuard:
         """A permit now, ``Waiting`` in the queue, or a refusal (``BreakerOpen``, ``BulkheadFull``,
         ``QueuedPastDeadline``) raised before anything is dispatched."""
         self._check_breaker()
+        self._ramp_limit()  # waiters a grown cap lets in are promoted at the next settlement or reclaim tick
         placed = self.bulkhead.offer(call_id, deadline, holder)
         if isinstance(placed, QueueTicket):
             return Waiting(placed)
@@ -121,7 +129,7 @@ class ScopeGuard:
             ticket = BreakerTicket(permit.breaker_generation, permit.probe)
             self._remember_settled(permit.permit_id)
         effect = self.breaker.record(ticket, outcome)
-        return effect, self._after_breaker_change(effect)
+        return effect, self._after_breaker_change(effect) + self._resolve(self._ramp())
 
     def release(self, permit: GuardPermit) -> list[Resolution]:
         """Free the permit's slot; a probe released without an outcome counts as a failed probe."""
@@ -133,13 +141,15 @@ class ScopeGuard:
             self._remember_settled(permit.permit_id)
         else:
             resolutions += self._after_breaker_change(self.breaker.abandon_probe(held.ticket))
-        return resolutions + self._resolve(self.bulkhead.release(held.lease.lease_id))
+        self.bulkhead.discard(held.lease.lease_id)
+        return resolutions + self._resolve(self._ramp())
 
     def reclaim(
         self, holder_alive: Callable[[str], bool] | None = None
     ) -> tuple[list[Lease], list[Resolution]]:
         """Take back expired leases and leases whose holder ``holder_alive`` reports dead; an unrecorded
         probe among them counts as a failed probe."""
+        self._ramp_limit()  # reclaim promotes under it
         promotions = self.bulkhead.reclaim(holder_alive)
         resolutions: list[Resolution] = []
         for lease in promotions.reclaimed:
@@ -160,9 +170,25 @@ class ScopeGuard:
             self.bulkhead.in_flight,
             self.bulkhead.queued,
             self.breaker.probes_claimed,
+            self._ramp_limit(),
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _ramp_limit(self) -> int:
+        """Bring the bulkhead's cap in force to the breaker's admission share (at least one call)."""
+        share = self.breaker.admission_share()
+        limit = self.bulkhead.policy.max_concurrent
+        if share < 1.0:
+            limit = max(1, math.ceil(limit * share))
+        if limit != self.bulkhead.limit:
+            self.bulkhead.set_limit(limit)
+        return self.bulkhead.limit
+
+    def _ramp(self) -> Promotions:
+        """``_ramp_limit``, then promote whoever the cap in force now lets out of the queue."""
+        self._ramp_limit()
+        return self.bulkhead.promote()
 
     def _check_breaker(self) -> None:
         """Raise ``BreakerOpen`` if the breaker would withhold a call now, without claiming anything."""

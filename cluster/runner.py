@@ -482,6 +482,7 @@ class Services:
                 trip_threshold=b.failure_threshold,
                 cooldown_s=b.cooldown_s,
                 max_cooldown_s=max(b.cooldown_s, BreakerPolicy().max_cooldown_s),
+                restore_s=b.restore_s,
             )
             policy = GuardPolicy(breaker=breaker)
         handle = GuardHandle(policy=policy, metrics_backend=RayBackend)

@@ -367,6 +367,8 @@ class BreakerSpec(_Strict):
     min_samples: PositiveInt = 20
     failure_threshold: Annotated[float, Field(gt=0, le=1)] = 0.5
     cooldown_s: PositiveFloat = 5.0
+    # after a successful probe, regular traffic comes back over this long (0: at once)
+    restore_s: Annotated[float, Field(ge=0)] = 10.0
 
     @model_validator(mode="after")
     def _samples_fit(self) -> BreakerSpec:

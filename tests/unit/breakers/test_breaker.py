@@ -137,10 +137,75 @@ def test_cooldown_doubles_up_to_the_cap_and_resets_on_close() -> None:
     cooldowns.append(breaker.cooldown_s)
     # Then the cooldown doubled and stuck at the cap
     assert cooldowns == [5.0, 10.0, 20.0, 40.0, 80.0, 80.0]
-    # And a successful probe closes the breaker and resets it
+    # And a successful probe closes the breaker; the cooldown resets once regular traffic is back
     clock.advance(breaker.remaining_cooldown())
     assert breaker.record(breaker.admit(), S) is RecordEffect.CLOSED
-    assert (breaker.state, breaker.cooldown_s) == (BreakerState.CLOSED, 5.0)
+    assert (breaker.state, breaker.cooldown_s, breaker.restoring) == (BreakerState.CLOSED, 80.0, True)
+    clock.advance(EX4.restore_s)
+    assert (breaker.state, breaker.cooldown_s, breaker.restoring) == (BreakerState.CLOSED, 5.0, False)
+
+
+# ----------------------------------------------------------------------------- gradual restore (§12.7.1)
+
+
+def _closed_after_probes(policy: BreakerPolicy, failed_probes: int) -> tuple[FakeClock, Breaker]:
+    """A breaker that tripped, failed ``failed_probes`` probes, then closed on a successful one."""
+    clock, breaker = _tripped(policy)
+    for _ in range(failed_probes):
+        clock.advance(breaker.remaining_cooldown())
+        assert breaker.record(breaker.admit(), F) is RecordEffect.REOPENED
+    clock.advance(breaker.remaining_cooldown())
+    assert breaker.record(breaker.admit(), S) is RecordEffect.CLOSED
+    return clock, breaker
+
+
+def test_a_successful_probe_restores_regular_traffic_gradually() -> None:
+    # Given a scope that just closed on a successful probe (restore over 10 s from a tenth of the traffic)
+    clock, breaker = _closed_after_probes(EX4, failed_probes=0)
+    shares = []
+    # When the restore runs its course
+    for _ in range(6):
+        shares.append(round(breaker.admission_share(), 3))
+        clock.advance(2.5)
+    # Then the admitted share grows linearly from the start share to all of it, and stays there
+    assert shares == [0.1, 0.325, 0.55, 0.775, 1.0, 1.0]
+    # And the gate admits throughout: the restore scales concurrency, it refuses nobody itself
+    assert breaker.withholding() is None
+
+
+def test_a_breaker_that_never_tripped_admits_all_of_its_traffic() -> None:
+    breaker = Breaker("test-service", EX4, FakeClock())
+    assert (breaker.admission_share(), breaker.restoring) == (1.0, False)
+
+
+def test_restore_s_zero_restores_all_traffic_at_the_close() -> None:
+    # Given the restore switched off
+    policy = EX4.model_copy(update={"restore_s": 0.0})
+    # When a probe after one failed probe succeeds
+    _, breaker = _closed_after_probes(policy, failed_probes=1)
+    # Then everything is admitted at once and the cooldown is back to its base
+    assert (breaker.admission_share(), breaker.restoring, breaker.cooldown_s) == (1.0, False, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("trip_after_s", "cooldown_after_trip"),
+    [
+        (4.0, 20.0),  # during the restore: the same outage's next failed trial (10 s lengthened)
+        (10.0, 5.0),  # after it: a fresh outage, the base cooldown
+    ],
+)
+def test_a_trip_during_the_restore_lengthens_the_cooldown(
+    trip_after_s: float, cooldown_after_trip: float
+) -> None:
+    # Given a scope that closed after one failed probe (its cooldown had grown to 10 s)
+    clock, breaker = _closed_after_probes(EX4, failed_probes=1)
+    # When the window fills with failures some seconds after the close
+    clock.advance(trip_after_s)
+    effects = _feed(breaker, [F] * EX4.min_samples)
+    # Then it trips, and the next cooldown depends on whether regular traffic had been restored
+    assert effects[-1] is RecordEffect.TRIPPED
+    assert (breaker.state, breaker.cooldown_s) == (BreakerState.OPEN, cooldown_after_trip)
+    assert breaker.admission_share() == 1.0  # nothing left of the restore: the gate withholds instead
 
 
 # ----------------------------------------------------------------------------- gate behaviour
@@ -283,6 +348,8 @@ def test_outcomes_age_out_of_a_timed_window() -> None:
         ({"cooldown_s": 10.0, "max_cooldown_s": 5.0}, "max_cooldown_s"),
         ({"trip_threshold": 1.5}, "trip_threshold"),
         ({"cooldown_multiplier": 0.5}, "cooldown_multiplier"),
+        ({"restore_s": -1.0}, "restore_s"),
+        ({"restore_start_share": 0.0}, "restore_start_share"),
     ],
 )
 def test_inconsistent_policy_is_rejected_naming_the_field(fields: dict[str, float], message: str) -> None:

@@ -184,3 +184,105 @@ async def test_reclaim_frees_expired_leases_for_waiters() -> None:
     # Then the waiter gets a slot
     assert len(reclaimed) == 4
     assert (await asyncio.wait_for(waiter, timeout=5)).scope == "svc"
+
+
+# ----------------------------------------------------------------------------- gradual restore (§12.7.1)
+
+
+def _restoring_policy(restore_s: float) -> GuardPolicy:
+    return GuardPolicy(
+        breaker=POLICY.breaker.model_copy(update={"restore_s": restore_s, "restore_start_share": 0.1}),
+        bulkhead=BulkheadPolicy(max_concurrent=20, max_queued=40, lease_s=60.0),
+    )
+
+
+async def _closed_by_probe(guard: InProcessGuard, clock: FakeClock, scope: str) -> None:
+    await _trip(guard, clock, scope)
+    clock.advance(5.0)
+    probe = await guard.admit(scope, "probe", clock.wall() + 30.0)
+    assert probe.probe
+    await _settle(guard, probe, S)
+    assert guard.snapshot(scope).state is BreakerState.CLOSED
+
+
+@pytest.mark.parametrize(
+    ("restore_s", "dispatched_at_once"),
+    [
+        (10.0, 2),  # a tenth of the 20 slots: the rest wait in the queue
+        (0.0, 20),  # control, the restore off: every caller that waited out the outage lands at once
+    ],
+)
+async def test_after_the_close_the_dependency_sees_the_waiting_callers_gradually(
+    restore_s: float, dispatched_at_once: int
+) -> None:
+    # Given a scope that just closed on a successful probe
+    clock = FakeClock()
+    guard = InProcessGuard(clock, _restoring_policy(restore_s))
+    await _closed_by_probe(guard, clock, "test-service")
+    # When 30 callers that waited out the outage arrive together
+    calls = [
+        asyncio.ensure_future(guard.admit("test-service", f"c{i}", clock.wall() + 60.0)) for i in range(30)
+    ]
+    await asyncio.sleep(0)
+    # Then the bulkhead's own count of held slots is the ramped cap, and nobody was refused
+    snap = guard.snapshot("test-service")
+    assert (snap.in_flight, snap.queued) == (dispatched_at_once, 30 - dispatched_at_once)
+    assert snap.concurrency_limit == dispatched_at_once
+    for call in calls:
+        call.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+
+
+async def test_the_ramped_cap_grows_with_time_and_lets_the_queue_in() -> None:
+    # Given a restoring scope with its ramped cap full and callers queued behind it
+    clock = FakeClock()
+    guard = InProcessGuard(clock, _restoring_policy(10.0))
+    await _closed_by_probe(guard, clock, "test-service")
+    calls = [
+        asyncio.ensure_future(guard.admit("test-service", f"c{i}", clock.wall() + 60.0)) for i in range(30)
+    ]
+    await asyncio.sleep(0)
+    # When half the restore has passed and the guard's reclaim tick runs (no call has finished)
+    clock.advance(5.0)
+    guard.reclaim()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    # Then the cap is 55 % of 20 slots and the queue's head was let in up to it
+    snap = guard.snapshot("test-service")
+    assert (snap.concurrency_limit, snap.in_flight, snap.queued) == (11, 11, 19)
+    # And once the restore is over, a call's settlement lets in everyone the full cap holds
+    clock.advance(5.0)
+    held = [c.result() for c in calls if c.done()]
+    await _settle(guard, held[0], S)
+    await asyncio.sleep(0)
+    snap = guard.snapshot("test-service")
+    assert (snap.concurrency_limit, snap.in_flight, snap.queued) == (20, 20, 9)
+    for call in calls:
+        call.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+
+
+async def test_a_trip_during_the_restore_refuses_the_queue_and_lengthens_the_cooldown() -> None:
+    # Given a restoring scope with callers queued behind its ramped cap
+    clock = FakeClock()
+    guard = InProcessGuard(clock, _restoring_policy(10.0))
+    await _closed_by_probe(guard, clock, "test-service")
+    calls = [
+        asyncio.ensure_future(guard.admit("test-service", f"c{i}", clock.wall() + 60.0)) for i in range(30)
+    ]
+    await asyncio.sleep(0)
+    # When the dependency fails again: the admitted calls fail and the window fills up
+    clock.advance(1.0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+        for permit in [c.result() for c in calls if c.done() and not c.exception()]:
+            await _settle(guard, permit, F)
+        await asyncio.sleep(0)
+        if guard.snapshot("test-service").state is BreakerState.OPEN:
+            break
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    # Then the scope is open again, the queue was refused, not dispatched, and the next cooldown doubled
+    snap = guard.snapshot("test-service")
+    assert snap.state is BreakerState.OPEN
+    assert snap.cooldown_s == 10.0
+    assert sum(isinstance(r, BreakerOpen) for r in results) >= 20
