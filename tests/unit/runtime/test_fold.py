@@ -275,7 +275,7 @@ def legal_logs(draw: Callable[..., Any], max_events: int = 40) -> tuple[list[Eve
 
 
 @settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 @given(legal_logs())
 def test_fold_of_the_decoded_log_equals_the_live_record(
@@ -299,7 +299,7 @@ def test_generated_logs_reach_every_state() -> None:
     """Guards against a generator that never leaves READY (the property test would then prove little)."""
     seen: set[TrajectoryState] = set()
 
-    @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(legal_logs())
     def collect(log: tuple[list[Event], list[TrajectoryRecord]]) -> None:
         seen.update(r.state for r in log[1])
