@@ -18,7 +18,7 @@ from benchmarks.chaos import ChaosConfig, run_chaos
 
 # 900 s: two seeds of 20 trajectories, each started, hit and judged on a 2-core machine, plus a Ray head's
 # start; a seed that hangs is itself bounded by the suite (ChaosConfig.run_bound_s).
-pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

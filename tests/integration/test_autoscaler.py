@@ -26,6 +26,7 @@ from cluster.workload import load_workload
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
+    pytest.mark.long,
     pytest.mark.own_ray_cluster,
     pytest.mark.timeout(900),
 ]

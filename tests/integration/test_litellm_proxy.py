@@ -51,7 +51,7 @@ from scheduler.config import ProviderLimits, SchedulerConfig
 from scheduler.inprocess import InProcessScheduler
 from tests.integration.trajectory_kit import events_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(1500)]
 
 LITELLM_SPEC = "litellm[proxy]>=1.108,<1.109"
 MASTER_KEY = "sk-tether-test-unused"  # the proxy runs without a key (config.yaml)

@@ -33,7 +33,7 @@ from cluster.signing import keyring_path
 from cluster.workload import parse_workload
 from tests.integration.test_control_plane import eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(1800)]
 
 SLOTS = 8
 # more than the slots, so waking is admission-controlled; the 50 under make test-stress

@@ -150,6 +150,7 @@ def test_submit_wait_runs_a_real_workload_through_tether_run(ray_head: RayHead, 
     assert "SUCCEEDED" in err
 
 
+@pytest.mark.long  # a third job submission (~30 s); make test keeps the explicit-entrypoint and failing ones
 def test_submit_wait_with_the_default_entrypoint_runs_the_workload(
     ray_head: RayHead, real_project: Path
 ) -> None:
@@ -161,6 +162,7 @@ def test_submit_wait_with_the_default_entrypoint_runs_the_workload(
     assert_summary(out)
 
 
+@pytest.mark.long  # the same workload through plain `ray job submit` (~30 s)
 def test_plain_ray_job_submit_runs_the_workload(ray_head: RayHead, real_project: Path) -> None:
     # Given: Ray's own CLI, next to this Python
     ray_cli = Path(sys.executable).parent / "ray"
