@@ -50,11 +50,13 @@ def _region_start(step: Step) -> int:
 
 def pivot_refusal(step: Step, contract: ToolContract, operation_id: str | None) -> str | None:
     """Why a call may not be admitted now because of a pivot (None: nothing in the way)."""
-    registry = step.policy.registry
+    pivots = step.policy.registry.pivots
+    if not pivots and not contract.pivot:
+        return None  # no pivot is registered: nothing can be in the way (and no scan of every operation)
     for op in step.record.operations.values():
         if op.operation_id == operation_id or op.settled or op.cleanup_of is not None:
             continue
-        if op.tool in registry and registry.get(op.tool).pivot:
+        if op.tool in pivots:
             return f"PIVOT_UNRESOLVED: the outcome of pivot {op.tool} ({op.operation_id}) is unknown"
     if not contract.pivot:
         return None

@@ -369,9 +369,10 @@ def waiting_on_job(step: Step, tool: str, args: Mapping[str, Any] | None) -> boo
         return False
     rec = step.record
     last = None
+    by_call = rec.operations_by_call()
     for ev in rec.transcript:
         if isinstance(ev, ToolResultAccepted):
-            op = rec.operation_for_call(ev.call_id)
+            op = by_call.get(ev.call_id)
             if op is not None and op.tool == tool and dict(op.arguments) == dict(args):
                 last = ev
     if last is None or not isinstance(last.result, Mapping):
@@ -725,9 +726,12 @@ def _trigger(step: Step, event: object) -> None:
         _state_trigger(step, event)
     elif isinstance(event, HandoffWritten):
         _stuck_cleanup(step)
-    elif isinstance(event, OperationSettled) and all(op.settled for op in rec.operations.values()):
-        for esc in rec.supervision.open_escalations():
-            if esc.trigger is EscalationTrigger.UNKNOWN_OUTCOME:
+    elif isinstance(event, OperationSettled):
+        open_now = rec.supervision.open_escalations()
+        unknown = [esc for esc in open_now if esc.trigger is EscalationTrigger.UNKNOWN_OUTCOME]
+        # the scan of every operation only when an unknown-outcome escalation is open to be resolved
+        if unknown and all(op.settled for op in rec.operations.values()):
+            for esc in unknown:
                 step.emit(EscalationResolved(esc.escalation_id, "every operation settled by evidence"))
 
 
@@ -749,9 +753,10 @@ def _failed_result(step: Step, event: ToolResultAccepted) -> None:
             )
     # the same failure the same way, repeatedly, is a verification escalation (guide §8.2)
     same = 0
+    by_call = rec.operations_by_call()
     for ev in rec.transcript:
         if isinstance(ev, ToolResultAccepted) and ev.error == error:
-            other = rec.operation_for_call(ev.call_id)
+            other = by_call.get(ev.call_id)
             same += other is not None and other.tool == tool
     key = f"{tool}:{error[:200]}"
     if same >= _policy(step).verification_repeats and not _already_escalated(

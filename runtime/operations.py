@@ -101,4 +101,5 @@ def unsettled(ops: Iterable[Operation]) -> tuple[Operation, ...]:
 
 def outstanding_liability(ops: Iterable[Operation]) -> float:
     """Dollar liability still reserved by unsettled operations (an input to the admission check)."""
-    return sum((op.liability for op in ops if not op.settled), 0.0)
+    # most operations reserve nothing: the liability is tested first, the settlement only when it counts
+    return sum((op.liability for op in ops if op.liability and not op.settled), 0.0)

@@ -487,9 +487,15 @@ class TrajectoryRecord:
         return next((t for t in self.timers.values() if t.kind is kind and t.subject == subject), None)
 
     def operation_for_call(self, call_id: str) -> Operation | None:
-        """The most recently dispatched operation for ``call_id``, if any."""
-        found = None
-        for op in self.operations.values():
+        """The most recently dispatched operation for ``call_id``, if any (the last one of the call in
+        dispatch order: searched from the newest, so a turn's own call is found at once)."""
+        ops: Mapping[str, Operation] = self.operations
+        for key in reversed(ops.keys() if isinstance(ops, dict) else list(ops)):
+            op = ops[key]
             if op.call_id == call_id:
-                found = op
-        return found
+                return op
+        return None
+
+    def operations_by_call(self) -> dict[str, Operation]:
+        """``operation_for_call`` for every call at once (one pass, for loops over the transcript)."""
+        return {op.call_id: op for op in self.operations.values()}

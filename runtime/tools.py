@@ -370,6 +370,7 @@ class ToolRegistry:
         # each tool's spec and its JSON characters, built once (a name is registered once; contracts are
         # frozen)
         self._specs: dict[str, tuple[dict[str, Any], int]] = {}
+        self._pivots: frozenset[str] = frozenset()
         for contract in contracts:
             self.register(contract)
 
@@ -377,6 +378,13 @@ class ToolRegistry:
         if contract.name in self._tools:
             raise ToolContractError("registered twice", where=f"tool[{contract.name!r}]")
         self._tools[contract.name] = contract
+        if contract.pivot:
+            self._pivots = self._pivots | {contract.name}
+
+    @property
+    def pivots(self) -> frozenset[str]:
+        """The registered tools that are pivots (none, for most deployments: no pivot rule then applies)."""
+        return self._pivots
 
     def get(self, tool: str) -> ToolContract:
         try:

@@ -85,3 +85,21 @@ def test_kill_leaves_inflight_operations_in_doubt_with_an_owner() -> None:
     record = log.add(ToolCallCancelled("c1", "kill"))
     operation = record.operations["op-c1"]
     assert (operation.settlement, operation.in_doubt, operation.owner) == (U, True, "traj-1")
+
+
+def test_the_operation_of_a_call_is_its_latest_dispatch_found_from_either_lookup() -> None:
+    # Given a record whose calls c1 and c2 each have operations, c1 a second one dispatched later
+    from runtime._replace import replace
+
+    ops = {
+        "op-a": Operation("op-a", "c1", "read", "ek-a", 1, "at-a"),
+        "op-b": Operation("op-b", "c2", "read", "ek-b", 1, "at-b"),
+        "op-c": Operation("op-c", "c1", "read", "ek-c", 2, "at-c"),
+        "op-d": Operation("op-d", "c3", "read", "ek-d", 1, "at-d"),
+    }
+    record = replace(in_state(S.READY).record, operations=ops)
+    # Then both lookups name the latest operation of each call, and nothing for a call never dispatched
+    assert record.operation_for_call("c1") is ops["op-c"]
+    assert record.operation_for_call("c2") is ops["op-b"]
+    assert record.operation_for_call("c9") is None
+    assert record.operations_by_call() == {"c1": ops["op-c"], "c2": ops["op-b"], "c3": ops["op-d"]}
