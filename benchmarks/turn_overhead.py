@@ -14,7 +14,10 @@ turn is two durable batches, one per intent (the model call's, the dispatch's): 
 events of decisions that start only admission, settlement, permits or local timers and writes them with the
 next intent.
 
-    .venv/bin/python -m benchmarks.turn_overhead [--turns 150] [--trajectories 3]
+    .venv/bin/python -m benchmarks.turn_overhead [--turns 150] [--trajectories 3] [--long-turns 1000]
+
+One more trajectory of ``--long-turns`` turns shows how a turn's cost grows with the history the record
+carries (``detail.history_growth``: the first hundred turns after the warm-up against the last hundred).
 
 Result: ``benchmarks/results/turn_overhead.json`` (``harness_ms``/``floor_ms`` p50/p99 plus a breakdown)
 and ``turn_overhead.png`` (CDFs).
@@ -133,6 +136,9 @@ class TimedLog:
 
     async def exists(self, trajectory_id: str) -> bool:
         return await self.inner.exists(trajectory_id)
+
+    async def trim(self, trajectory_id: str, snapshot_id: str) -> int:
+        return await self.inner.trim(trajectory_id, snapshot_id)
 
 
 class TimedAdmission:
@@ -330,6 +336,28 @@ class BenchTrajectory:
         return samples
 
 
+def _history_growth(bench: Any, turns: int, skip: int) -> dict[str, Any] | None:
+    """One long trajectory: a turn's cost early (the first hundred turns after the warm-up) against late
+    (the last hundred), so a rule that walks the whole history every turn shows as a late/early ratio
+    above 1. The turns in between are not reported."""
+    if turns < skip + 200:
+        return None
+    samples = ray.get(bench.run_turns.remote("bench-long", turns))
+    early, late = samples[skip : skip + 100], samples[-100:]
+
+    def p50(part: str, window: list[dict[str, float]]) -> float:
+        return round(percentile([t[part] for t in window], 50) * 1000, 3)
+
+    out: dict[str, Any] = {"turns": turns, "window": 100}
+    for name, window in (("early", early), ("late", late)):
+        out[name] = {
+            "turn_p50_ms": p50("turn", window),
+            "harness_compute_p50_ms": p50("harness_compute", window),
+        }
+    out["late_over_early"] = round(out["late"]["turn_p50_ms"] / out["early"]["turn_p50_ms"], 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.turn_overhead", description=__doc__)
     parser.add_argument("--turns", type=int, default=150, help="turns per trajectory")
@@ -337,10 +365,17 @@ def main(argv: list[str] | None = None) -> int:
         "--trajectories", type=int, default=MIN_RUNS, help="trajectories (the repetitions), one after another"
     )
     parser.add_argument("--skip", type=int, default=10, help="warm-up turns dropped from each trajectory")
-    parser.add_argument("--quick", action="store_true", help="40 turns per trajectory")
+    parser.add_argument(
+        "--long-turns",
+        type=int,
+        default=1000,
+        help="turns of the one trajectory that shows how a turn's cost grows with its history (0: skip)",
+    )
+    parser.add_argument("--quick", action="store_true", help="40 turns per trajectory, a 300-turn long one")
     args = parser.parse_args(argv)
     if args.quick:
         args.turns = 40
+        args.long_turns = min(args.long_turns, 300)
     args.trajectories = max(MIN_RUNS, args.trajectories)
     before = calibration()
 
@@ -378,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_harness_p50.append(h50)
                 run_floor_p50.append(f50)
                 run_ratios.append(h50 / f50)
+            growth = _history_growth(bench, args.long_turns, args.skip)
             del scheduler
         finally:
             ray.shutdown()
@@ -406,8 +442,17 @@ def main(argv: list[str] | None = None) -> int:
             "floor_samples": len(floor_samples),
             "appendfsync": "always",
             "turns_per_trajectory": args.turns,
+            "history_growth": growth,
         },
-        **provenance({"turns": args.turns, "trajectories": args.trajectories, "skip": args.skip}, before),
+        **provenance(
+            {
+                "turns": args.turns,
+                "trajectories": args.trajectories,
+                "skip": args.skip,
+                "long_turns": args.long_turns,
+            },
+            before,
+        ),
     }
     out = result_path(NAME, args.quick)
     path = write_json(out.stem, result, out.parent)
