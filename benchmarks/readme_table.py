@@ -145,6 +145,16 @@ def turn_overhead(d: Mapping[str, Any]) -> str:
     return (
         f"one turn (decider + interpreter) {d['harness_ms']['p50']:.1f} ms p50 vs the floor (actor round "
         f"trip + fsynced XADD) {d['floor_ms']['p50']:.1f} ms; ratio per run {_s(runs.get('ratio_p50'), 2)}"
+        + _history_growth((d.get("detail") or {}).get("history_growth"))
+    )
+
+
+def _history_growth(growth: Mapping[str, Any] | None) -> str:
+    if not growth:
+        return ""
+    return (
+        f"; over a {growth['turns']:,}-turn trajectory the last {growth['window']} turns cost "
+        f"{growth['late_over_early']}x the first {growth['window']} after the warm-up"
     )
 
 
