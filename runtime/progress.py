@@ -90,7 +90,7 @@ def turn_progress(record: TrajectoryRecord, spec: ProgressSpec, results_seen: in
     results = [ev for ev in record.transcript if isinstance(ev, ToolResultAccepted)]
     if not spec.declared:
         return TurnProgress(None, False, len(results))
-    tool_of = {op.call_id: op for op in record.operations.values()}
+    tool_of = record.operations_by_call()
     state: dict[str, Any] = {}
     new_waiting: list[bool] = []
     for index, ev in enumerate(results):
