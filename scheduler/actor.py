@@ -17,9 +17,10 @@ what bounds admissions on a node: ``benchmarks/node_capacity.py``). So the handl
   one sends one call per batch).
 
 Errors do not cross the Ray boundary as exceptions (``AdmissionRefused`` carries structured fields a
-pickled exception would lose); the actor returns an outcome record and the handle raises on the caller's
-side. After a restart the actor is constructed afresh: buckets start empty, grants from the previous
-incarnation are unknown (settling them is a no-op), so a crash never causes a burst over the limit.
+pickled exception would lose); the actor returns an outcome (a plain tuple, as everything on the per-turn
+path is) and the handle raises on the caller's side. After a restart the actor is constructed afresh:
+buckets start empty, grants from the previous incarnation are unknown (settling them is a no-op), so a
+crash never causes a burst over the limit.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -60,32 +60,84 @@ _CONTROL = "control"  # settle, release, feedback, introspection: always quick
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    """What an actor method returns: a value, or a refusal / input error rebuilt by the handle."""
+# What crosses the Ray boundary between the handle and the actor: tuples of primitives, never our
+# dataclasses. Ray carries such a tuple as MessagePack and anything else through pickle, and on the
+# per-turn path (one admission, one settlement) the dataclasses cost a round trip about 0.2 ms of CPU on
+# each side (``benchmarks/turn_overhead.py``). An actor method returns an outcome:
+#   ("ok", value)                       value: None, or a tagged tuple (``_pack``), or as is
+#   ("refused", predicate, message)     ``AdmissionRefused``, rebuilt by the handle
+#   ("input", message, where)           ``SchedulerInputError``, rebuilt by the handle
+_Outcome = tuple[Any, ...]
+_OK: _Outcome = ("ok", None)
 
-    value: Any = None
-    refused: tuple[str, str] | None = None  # (predicate, message)
-    input_error: tuple[str, str | None] | None = None  # (message, where)
 
-    def unwrap(self) -> Any:
-        if self.refused is not None:
-            raise AdmissionRefused(*self.refused)
-        if self.input_error is not None:
-            message, where = self.input_error
-            raise SchedulerInputError(message, where=where)
-        return self.value
+def _request_wire(request: TurnRequest) -> tuple[str, str, str, int, float]:
+    return (
+        request.trajectory_id,
+        request.priority_class,
+        request.provider_key,
+        request.estimated_tokens,
+        request.deadline,
+    )
+
+
+def _request_of(wire: TurnRequest | Sequence[Any]) -> TurnRequest:
+    if isinstance(wire, TurnRequest):
+        return wire
+    trajectory_id, priority_class, provider_key, estimated_tokens, deadline = wire
+    return TurnRequest(trajectory_id, priority_class, provider_key, estimated_tokens, deadline)
+
+
+def _pack(value: Any) -> Any:
+    if isinstance(value, TurnGrant):
+        return ("grant", value.grant_id, value.reserved_tokens, value.lease_expires_at)
+    if isinstance(value, TurnLease):
+        return (
+            "lease",
+            value.lease_id,
+            value.provider_key,
+            value.priority_class,
+            value.tokens,
+            value.requests,
+            value.use_by,
+            value.expires_at,
+        )
+    if isinstance(value, SandboxPermit):
+        return ("permit", value.permit_id, value.pool, value.lease_expires_at)
+    return value  # None, or a value the actor returns as itself
+
+
+_PACKED: dict[str, Any] = {"grant": TurnGrant, "lease": TurnLease, "permit": SandboxPermit}
+
+
+def _unpack(value: Any) -> Any:
+    if isinstance(value, tuple) and value and isinstance(value[0], str) and value[0] in _PACKED:
+        return _PACKED[value[0]](*value[1:])
+    return value
+
+
+def _unwrap(outcome: _Outcome) -> Any:
+    """The value of an outcome, or its refusal / input error raised on the caller's side."""
+    tag = outcome[0]
+    if tag == "ok":
+        return _unpack(outcome[1])
+    if tag == "refused":
+        raise AdmissionRefused(outcome[1], outcome[2])
+    if tag == "input":
+        raise SchedulerInputError(outcome[1], where=outcome[2])
+    raise TypeError(f"not a scheduler outcome: {outcome!r}")
 
 
 async def _outcome_of(awaitable: Any) -> _Outcome:
     try:
-        return _Outcome(value=await awaitable)
+        value = await awaitable
     except AdmissionRefused as refused:
         message = str(refused).removeprefix(f"{refused.predicate}: ")
-        return _Outcome(refused=(refused.predicate, message))
+        return ("refused", refused.predicate, message)
     except SchedulerInputError as bad:
         message = str(bad).removeprefix(f"{bad.where}: ") if bad.where else str(bad)
-        return _Outcome(input_error=(message, bad.where))
+        return ("input", message, bad.where)
+    return _OK if value is None else ("ok", _pack(value))
 
 
 # num_cpus=0: the scheduler must never wait for a CPU slot behind the trajectories it admits.
@@ -118,16 +170,16 @@ class _SchedulerActorBody:
     # ------------------------------------------------------------------ may wait
 
     @ray.method(concurrency_group=_ADMIT)
-    async def admit_turn(self, request: TurnRequest) -> _Outcome:
+    async def admit_turn(self, request: TurnRequest | Sequence[Any]) -> _Outcome:
         self._ensure_reclaimer()
-        return await _outcome_of(self._scheduler.admit_turn(request))
+        return await _outcome_of(self._scheduler.admit_turn(_request_of(request)))
 
     @ray.method(concurrency_group=_ADMIT)
-    async def admit_or_lease(self, request: TurnRequest, want: int) -> _Outcome:
+    async def admit_or_lease(self, request: TurnRequest | Sequence[Any], want: int) -> _Outcome:
         """A chunk of up to ``want`` turns while the key is uncontended, else this turn if admitted at
         once, else None at once (contended: the caller asks ``admit_turn``)."""
         self._ensure_reclaimer()
-        return await _outcome_of(self._scheduler.admit_or_lease(request, want))
+        return await _outcome_of(self._scheduler.admit_or_lease(_request_of(request), want))
 
     @ray.method(concurrency_group=_ADMIT)
     async def acquire_sandbox(
@@ -259,7 +311,7 @@ class _SettleBatcher:
                         outcome = await self._actor.settle_many.remote(settles, returns)
                     else:
                         outcome = await self._actor.settle_many.remote(settles)
-                    outcome.unwrap()
+                    _unwrap(outcome)
                 except BaseException as e:  # every caller of this batch sees it
                     for _, future in batch:
                         if not future.done():
@@ -281,11 +333,12 @@ class _PerCall:
         self._handle = handle
 
     async def admit_turn(self, request: TurnRequest) -> TurnGrant:
-        grant: TurnGrant = await self._handle._call("admit_turn", request)
+        grant: TurnGrant = await self._handle._call("admit_turn", _request_wire(request))
         return grant
 
     async def admit_or_lease(self, request: TurnRequest, want: int) -> TurnGrant | TurnLease | None:
-        answer: TurnGrant | TurnLease | None = await self._handle._call("admit_or_lease", request, want)
+        wire = _request_wire(request)
+        answer: TurnGrant | TurnLease | None = await self._handle._call("admit_or_lease", wire, want)
         return answer
 
 
@@ -338,7 +391,7 @@ class SchedulerHandle:
             if isinstance(cause, TetherError):
                 raise cause from err
             raise
-        return outcome.unwrap()
+        return _unwrap(outcome)
 
     @property
     def leased_turns(self) -> int:
@@ -348,7 +401,7 @@ class SchedulerHandle:
     async def admit_turn(self, request: TurnRequest) -> TurnGrant:
         if self._leasing and self._settles.usable():
             return await self._leases.admit_turn(request)
-        grant: TurnGrant = await self._call("admit_turn", request)
+        grant: TurnGrant = await self._call("admit_turn", _request_wire(request))
         return grant
 
     async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:

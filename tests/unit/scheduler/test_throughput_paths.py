@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgpack
 import pytest
 
 from runtime.clock import FakeClock
 from runtime.errors import AdmissionRefused
-from runtime.ports import TurnRequest
-from scheduler.actor import SchedulerHandle, _Outcome
+from runtime.ports import SandboxPermit, TurnGrant, TurnRequest
+from scheduler.actor import SchedulerHandle, _Outcome, _outcome_of, _request_of, _request_wire, _unwrap
 from scheduler.config import ProviderLimits, SchedulerConfig
+from scheduler.errors import SchedulerInputError
 from scheduler.inprocess import InProcessScheduler
+from scheduler.lease import TurnLease
 
 KEY = "p|m"
 CONFIG = SchedulerConfig(
@@ -89,7 +92,7 @@ class FakeSchedulerActor:
             if self.fail:
                 raise ConnectionError("actor unreachable")
             await sched.settle_many(items)
-            return _Outcome(value=None)
+            return ("ok", None)
 
         self.settle_many = _Method(settle_many)
 
@@ -120,3 +123,54 @@ async def test_a_failed_batch_reaches_every_caller_in_it() -> None:
     )
     assert all(isinstance(r, ConnectionError) for r in results)
     await sched.aclose()
+
+
+def _answer(value: Any) -> Any:
+    async def answer() -> Any:
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    return answer()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        TurnGrant("g-1", 476, 1_800_000_000.5),
+        TurnLease("l-1", KEY, "batch", 4_000, 8, 1_800_000_001.0, 1_800_000_061.0),
+        SandboxPermit("p-1", "bwrap", 1_800_000_002.0),
+    ],
+)
+async def test_what_the_actor_returns_is_plain_data_the_handle_turns_back_into_the_value(value: Any) -> None:
+    # Given an answer of the scheduler, as the actor wraps it for the way back
+    outcome = await _outcome_of(_answer(value))
+    # Then it is primitives only (Ray carries them as MessagePack: no pickled dataclasses on the turn's path)
+    msgpack.packb(outcome)  # TypeError for anything that is not plain data
+    # And the handle's side rebuilds the same value
+    assert _unwrap(outcome) == value
+
+
+async def test_refusals_and_input_errors_cross_as_plain_data_and_are_raised_on_the_callers_side() -> None:
+    refused = await _outcome_of(_answer(AdmissionRefused("deadline", "no admission after the deadline")))
+    bad_key = SchedulerInputError("unknown provider key", where="request.provider_key")
+    bad = await _outcome_of(_answer(bad_key))
+    msgpack.packb([refused, bad])
+    with pytest.raises(AdmissionRefused) as refusal:
+        _unwrap(refused)
+    assert refusal.value.predicate == "deadline"
+    assert str(refusal.value) == "deadline: no admission after the deadline"
+    with pytest.raises(SchedulerInputError) as error:
+        _unwrap(bad)
+    assert error.value.where == "request.provider_key"
+    assert "unknown provider key" in str(error.value)
+
+
+def test_a_request_crosses_as_a_tuple_and_is_rebuilt_equal() -> None:
+    request = TurnRequest("t-9", "interactive", KEY, 1_234, 1_800_000_003.25)
+    wire = _request_wire(request)
+    msgpack.packb(wire)
+    assert _request_of(wire) == request
+    assert _request_of(list(wire)) == request  # as a list, too (MessagePack has no tuples)
+    assert _request_of(request) is request
