@@ -680,9 +680,7 @@ class Interpreter:
             if sandbox is not None:
                 await self.ports.admission.release_sandbox(sandbox.permit_id)
             if guard is not None:
-                if outcome is not None:
-                    await self.ports.guard.record(guard, outcome)
-                await self.ports.guard.release(guard)
+                await self.ports.guard.settle(guard, outcome)  # record + release: one guard round trip
         except Exception as e:  # the lease expires at the guard or the scheduler (their backstop)
             _log.warning("%s: releasing permits failed: %s", self.trajectory_id, e)
 

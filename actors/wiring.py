@@ -109,6 +109,9 @@ class SplitGuard:
     async def release(self, permit: GuardPermit) -> None:
         await self._for(permit.scope).release(permit)
 
+    async def settle(self, permit: GuardPermit, outcome: OutcomeClass | None) -> None:
+        await self._for(permit.scope).settle(permit, outcome)
+
 
 # --------------------------------------------------------------------------- record, config, registry
 

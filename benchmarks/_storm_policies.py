@@ -272,6 +272,9 @@ class CountingGuard:
     async def release(self, permit: GuardPermit) -> None:
         await self.inner.release(permit)
 
+    async def settle(self, permit: GuardPermit, outcome: OutcomeClass | None) -> None:
+        await self.inner.settle(permit, outcome)
+
 
 async def run_tether(
     trajectory_id: str,

@@ -5,8 +5,9 @@ is the real ``GuardActor`` for one scope, reached through ``GuardHandle`` exactl
 Caps are set high so nothing queues and the breaker never trips: this measures the bookkeeping cost, not
 the policy. Two shapes, each measured for both sides in alternating rounds so machine drift hits both:
 
-- latency: one caller, sequential round trips (bare ``ping``; guard ``admit``; a full guarded call =
-  ``admit`` + ``record`` + ``release``, i.e. three round trips);
+- latency: one caller, sequential round trips (bare ``ping``; guard ``admit``; a full guarded call as the
+  interpreter makes it = ``admit`` + ``settle``, two round trips; and, beside it, the same call as it was
+  made before ``settle`` existed = ``admit`` + ``record`` + ``release``, three round trips);
 - throughput: ``--concurrency`` callers in the driver issuing back-to-back calls for ``--seconds``.
 
 The driver shares the 2 cores with the actors, so absolute numbers are this box's; the ratios are the point.
@@ -58,7 +59,12 @@ class BareActor:
 
 
 async def _latencies(bare: Any, guard: GuardHandle, n: int, rounds: int) -> dict[str, list[float]]:
-    samples: dict[str, list[float]] = {"bare_ping": [], "guard_admit": [], "guarded_call": []}
+    samples: dict[str, list[float]] = {
+        "bare_ping": [],
+        "guard_admit": [],
+        "guarded_call": [],
+        "guarded_call_separate": [],
+    }
     per_round = max(1, n // rounds)
     for r in range(rounds):
         for i in range(per_round):
@@ -69,14 +75,18 @@ async def _latencies(bare: Any, guard: GuardHandle, n: int, rounds: int) -> dict
             t0 = time.perf_counter()
             permit = await guard.admit(SCOPE, f"lat-{r}-{i}", time.time() + 600)
             samples["guard_admit"].append(time.perf_counter() - t0)
-            await guard.record(permit, OutcomeClass.SUCCESS)
-            await guard.release(permit)
+            await guard.settle(permit, OutcomeClass.SUCCESS)
 
             t0 = time.perf_counter()
             permit = await guard.admit(SCOPE, f"call-{r}-{i}", time.time() + 600)
+            await guard.settle(permit, OutcomeClass.SUCCESS)
+            samples["guarded_call"].append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            permit = await guard.admit(SCOPE, f"sep-{r}-{i}", time.time() + 600)
             await guard.record(permit, OutcomeClass.SUCCESS)
             await guard.release(permit)
-            samples["guarded_call"].append(time.perf_counter() - t0)
+            samples["guarded_call_separate"].append(time.perf_counter() - t0)
     return samples
 
 
@@ -94,8 +104,12 @@ async def _throughput(shape: str, bare: Any, guard: GuardHandle, concurrency: in
             else:
                 permit = await guard.admit(SCOPE, f"tp-{k}-{i}", time.time() + 600)
                 if shape == "guarded_call":
+                    await guard.settle(permit, OutcomeClass.SUCCESS)
+                elif shape == "guarded_call_separate":
                     await guard.record(permit, OutcomeClass.SUCCESS)
-                await guard.release(permit)
+                    await guard.release(permit)
+                else:
+                    await guard.release(permit)
             done += 1
             i += 1
 
@@ -112,7 +126,7 @@ async def measure(n: int, rounds: int, concurrency: int, seconds: float) -> dict
     await _latencies(bare, guard, max(50, n // 10), 1)  # warm-up
     latencies = await _latencies(bare, guard, n, rounds)
 
-    shapes = ("bare_ping", "guard_admit_release", "guarded_call")
+    shapes = ("bare_ping", "guard_admit_release", "guarded_call", "guarded_call_separate")
     rates: dict[str, list[float]] = {s: [] for s in shapes}
     for r in range(rounds):  # alternate the order each round
         for shape in shapes if r % 2 == 0 else tuple(reversed(shapes)):
@@ -129,6 +143,9 @@ async def measure(n: int, rounds: int, concurrency: int, seconds: float) -> dict
             # round trips/s through the guard relative to a bare actor round trip
             "guard_rtt_vs_bare": round(mean_rate["guard_admit_release"] * 2 / mean_rate["bare_ping"], 3),
             "guarded_calls_vs_bare_pings": round(mean_rate["guarded_call"] / mean_rate["bare_ping"], 3),
+            "guarded_calls_settle_vs_separate": round(
+                mean_rate["guarded_call"] / mean_rate["guarded_call_separate"], 3
+            ),
             "admit_p50_vs_bare_p50": round(lat["guard_admit"]["p50_ms"] / lat["bare_ping"]["p50_ms"], 3),
         },
         "guard_end_state": {"in_flight": snap.in_flight, "queued": snap.queued, "state": snap.state.value},
@@ -181,7 +198,10 @@ def main() -> None:
             "bare_ping": "one round trip to an async actor method that does nothing",
             "guard_admit": "GuardHandle.admit: one round trip into GuardActor (breaker + bulkhead)",
             "guard_admit_release": "admit + release: two guard round trips (throughput counts pairs)",
-            "guarded_call": "admit + record + release: the three guard round trips one tool call makes",
+            "guarded_call": "admit + settle: the two guard round trips one tool call makes",
+            "guarded_call_separate": (
+                "admit + record + release: the same call as three round trips (how it was made before settle)"
+            ),
         },
         **provenance(
             {"n": args.n, "concurrency": args.concurrency, "seconds": args.seconds, "rounds": args.rounds},

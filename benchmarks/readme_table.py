@@ -161,7 +161,13 @@ def _history_growth(growth: Mapping[str, Any] | None) -> str:
 def guard_throughput(d: Mapping[str, Any]) -> str:
     t = d.get("throughput_spread_per_s") or {}
     return (
-        f"guarded calls {_s(t.get('guarded_call'))}/s vs bare pings {_s(t.get('bare_ping'))}/s; "
+        f"guarded calls (admit + settle) {_s(t.get('guarded_call'))}/s"
+        + (
+            f" (as admit + record + release {_s(t['guarded_call_separate'])}/s)"
+            if t.get("guarded_call_separate")
+            else ""
+        )
+        + f" vs bare pings {_s(t.get('bare_ping'))}/s; "
         f"admit p50 {d['ratios']['admit_p50_vs_bare_p50']}x a bare round trip"
     )
 

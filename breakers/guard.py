@@ -116,6 +116,12 @@ class GuardActor:
         await self._guard.release(permit)
 
     @ray.method(concurrency_group="settle")
+    async def settle(self, permit: GuardPermit, outcome: str | None) -> None:
+        """``record`` (when there is an outcome) and ``release`` in one round trip: what a finished call
+        sends (two calls before, and every tool call paid for both)."""
+        await self._guard.settle(permit, OutcomeClass(outcome) if outcome is not None else None)
+
+    @ray.method(concurrency_group="settle")
     async def snapshot(self) -> GuardSnapshot:
         return self._guard.snapshot(self._scope)
 
@@ -211,6 +217,9 @@ class GuardHandle:
 
     async def release(self, permit: GuardPermit) -> None:
         await self._call(permit.scope, "release", permit)
+
+    async def settle(self, permit: GuardPermit, outcome: OutcomeClass | None) -> None:
+        await self._call(permit.scope, "settle", permit, outcome.value if outcome is not None else None)
 
     async def snapshot(self, scope: str) -> GuardSnapshot:
         snap: GuardSnapshot = await self._call(scope, "snapshot")

@@ -83,6 +83,14 @@ class InProcessGuard:
     async def release(self, permit: GuardPermit) -> None:
         self._release(permit)
 
+    async def settle(self, permit: GuardPermit, outcome: OutcomeClass | None) -> None:
+        """``record`` then ``release``; the permit is released even if recording fails."""
+        try:
+            if outcome is not None:
+                await self.record_effect(permit, outcome)
+        finally:
+            self._release(permit)
+
     # ------------------------------------------------------------------ maintenance and views
 
     def reclaim(self, holder_alive: Callable[[str], bool] | None = None) -> list[Lease]:

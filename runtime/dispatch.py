@@ -42,6 +42,9 @@ class NoGuard:
     async def release(self, permit: GuardPermit) -> None:
         return None
 
+    async def settle(self, permit: GuardPermit, outcome: OutcomeClass | None) -> None:
+        return None
+
 
 class UnlimitedAdmission:
     """An AdmissionPort that admits every turn at once and every sandbox request (single trajectory)."""

@@ -81,6 +81,23 @@ async def test_one_scopes_failures_do_not_affect_another(guard: GuardHandle) -> 
     assert (snap_b.window_size, snap_b.window_failures, snap_b.in_flight) == (1, 0, 0)
 
 
+async def test_settle_through_the_actor_records_and_frees_the_slot(guard: GuardHandle) -> None:
+    # Given a scope of one slot (max_concurrent 1)
+    scope = _scope("settle-service")
+    # When a call settles with its outcome in one round trip
+    first = await guard.admit(scope, "s-1", _deadline())
+    await guard.settle(first, S)
+    # Then the slot is free at once for the next caller and the outcome is in the window
+    second = await asyncio.wait_for(guard.admit(scope, "s-2", _deadline()), timeout=10)
+    await guard.settle(second, None)
+    snap = await guard.snapshot(scope)
+    assert (snap.window_size, snap.window_failures, snap.in_flight) == (1, 0, 0)
+    # And failures settled this way trip the breaker as recorded ones do (4 of 5 samples failed)
+    for i in range(4):
+        await guard.settle(await guard.admit(scope, f"f-{i}", _deadline()), F)
+    assert (await guard.snapshot(scope)).state is BreakerState.OPEN
+
+
 QUEUED = 1100
 
 

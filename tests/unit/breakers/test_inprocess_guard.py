@@ -286,3 +286,46 @@ async def test_a_trip_during_the_restore_refuses_the_queue_and_lengthens_the_coo
     assert snap.state is BreakerState.OPEN
     assert snap.cooldown_s == 10.0
     assert sum(isinstance(r, BreakerOpen) for r in results) >= 20
+
+
+async def test_settle_records_the_outcome_and_frees_the_slot_in_one_step() -> None:
+    # Given a scope whose calls finish with settle (what the interpreter sends: one guard round trip)
+    clock = FakeClock()
+    guard = InProcessGuard(clock, POLICY)
+
+    async def fail(i: int) -> None:
+        permit = await guard.admit("svc", f"fail-{i}", clock.wall() + 30.0)
+        await guard.settle(permit, F)
+
+    # When four calls fail and each is settled
+    for i in range(4):
+        await fail(i)
+    # Then every outcome counted and no slot is still held
+    snap = guard.snapshot("svc")
+    assert (snap.state, snap.window_failures, snap.in_flight) == (BreakerState.CLOSED, 4, 0)
+    # And the fifth failure trips the breaker, as a recorded one does
+    await fail(4)
+    assert guard.snapshot("svc").state is BreakerState.OPEN
+
+
+async def test_settle_without_an_outcome_only_releases() -> None:
+    clock = FakeClock()
+    guard = InProcessGuard(clock, POLICY)
+    permit = await guard.admit("svc", "c1", clock.wall() + 30.0)
+    await guard.settle(permit, None)
+    snap = guard.snapshot("svc")
+    assert (snap.window_size, snap.in_flight) == (0, 0)
+
+
+async def test_settle_releases_the_permit_even_when_recording_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    guard = InProcessGuard(clock, POLICY)
+    permit = await guard.admit("svc", "c1", clock.wall() + 30.0)
+
+    async def broken(*_: object) -> None:
+        raise RuntimeError("recording failed")
+
+    monkeypatch.setattr(guard, "record_effect", broken)
+    with pytest.raises(RuntimeError, match="recording failed"):
+        await guard.settle(permit, S)
+    assert guard.snapshot("svc").in_flight == 0
