@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -71,43 +72,28 @@ _Outcome = tuple[Any, ...]
 _OK: _Outcome = ("ok", None)
 
 
-def _request_wire(request: TurnRequest) -> tuple[str, str, str, int, float]:
-    return (
-        request.trajectory_id,
-        request.priority_class,
-        request.provider_key,
-        request.estimated_tokens,
-        request.deadline,
-    )
+# The values that cross as tagged tuples of their fields, in declaration order (one list, read from the
+# dataclasses themselves, so a field added to one of them travels without a change here).
+_PACKED: dict[str, type] = {"grant": TurnGrant, "lease": TurnLease, "permit": SandboxPermit}
+_TAG = {cls: tag for tag, cls in _PACKED.items()}
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (TurnRequest, *_PACKED.values())}
+
+
+def _fields_of(value: Any) -> tuple[Any, ...]:
+    return tuple(getattr(value, name) for name in _FIELDS[type(value)])
+
+
+def _request_wire(request: TurnRequest) -> tuple[Any, ...]:
+    return _fields_of(request)
 
 
 def _request_of(wire: TurnRequest | Sequence[Any]) -> TurnRequest:
-    if isinstance(wire, TurnRequest):
-        return wire
-    trajectory_id, priority_class, provider_key, estimated_tokens, deadline = wire
-    return TurnRequest(trajectory_id, priority_class, provider_key, estimated_tokens, deadline)
+    return wire if isinstance(wire, TurnRequest) else TurnRequest(*wire)
 
 
 def _pack(value: Any) -> Any:
-    if isinstance(value, TurnGrant):
-        return ("grant", value.grant_id, value.reserved_tokens, value.lease_expires_at)
-    if isinstance(value, TurnLease):
-        return (
-            "lease",
-            value.lease_id,
-            value.provider_key,
-            value.priority_class,
-            value.tokens,
-            value.requests,
-            value.use_by,
-            value.expires_at,
-        )
-    if isinstance(value, SandboxPermit):
-        return ("permit", value.permit_id, value.pool, value.lease_expires_at)
-    return value  # None, or a value the actor returns as itself
-
-
-_PACKED: dict[str, Any] = {"grant": TurnGrant, "lease": TurnLease, "permit": SandboxPermit}
+    tag = _TAG.get(type(value))
+    return value if tag is None else (tag, *_fields_of(value))  # None, or a value returned as itself
 
 
 def _unpack(value: Any) -> Any:
