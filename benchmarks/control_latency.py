@@ -19,9 +19,19 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   ``StateChanged`` in the log (server clock), for comparison. ``--kill-rounds K`` repeats this on K fresh
   fleets of N (each round: N live at its first kill, N/2 + 1 at its last one-at-a-time kill), so the
   one-at-a-time percentiles pool N/2 x K kills (200 at the defaults); each round's own are kept too.
+- ``kill_hops``: for the one-at-a-time kills, where each one's time went, every hop in ms from just before
+  its publication: the server stamped the kill's XADD, the publisher had its reply (after the fsync), the
+  trajectory's ``ControlRequested`` entry, the group gone, the terminal entry (server stream ids against
+  this process's wall clock: one clock on one machine); p50/p99 per hop and the slowest kills hop by hop.
 - ``redis_fsync_stalls``: per kill round, the seconds in which Redis's own latency monitor saw an AOF fsync of
   100 ms or more while the kills ran (with ``appendfsync always`` the server's thread waits for the disk,
-  and every client's command with it: the kill's XADD, the relay's read), and the slowest.
+  and every client's command with it: the kill's XADD, the relay's read), and the slowest; with the AOF's
+  size and how many background AOF rewrites the server had run by the end of the round.
+- ``--redis-dir DIR`` puts the server's data (the AOF) under DIR instead of the run's temporary directory,
+  which shares its disk with Ray's session logs and the sandboxes' workspaces: a disk of its own, as a
+  production node's AOF should have. ``setup.redis_dir`` records the directory, its filesystem and whether
+  that is durable; a tmpfs (``/dev/shm``) is not (its fsync returns at once) and serves only to show what the
+  kill path costs without the disk. ``--out PATH`` writes such a run beside the headline file.
 - ``sandbox_teardown_ms``: ``actors.sandbox.Sandbox.kill_all`` on N real sandboxed ``sleep`` process
   groups in this process (SIGKILL at once, wait until ``killpg(pgid, 0)`` fails).
 - Provenance (``benchmarks._common.provenance``): the commit, the machine calibration before and after,
@@ -50,6 +60,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import tempfile
@@ -267,29 +278,68 @@ def group_alive(pgid: int) -> bool:
 
 async def kill_paced(
     fleet: Fleet, tids: list[str], groups: dict[str, int]
-) -> tuple[list[float], list[float]]:
-    """One kill at a time: ms until the sandbox group is gone, and ms from the kill entry to the terminal
-    state entry in the log."""
+) -> tuple[list[float], list[float], list[dict[str, float]]]:
+    """One kill at a time: ms until the sandbox group is gone, ms from the kill entry to the terminal
+    state entry in the log, and each kill's hops (``_HOPS``: ms from just before the publication, the
+    server's stream ids read against this process's wall clock, the same clock on one machine)."""
     gone: list[float] = []
     terminal: list[float] = []
+    hops: list[dict[str, float]] = []
     for tid in tids:
         pgid = groups[tid]
         assert group_alive(pgid), f"{tid}'s command ended before the kill"
         t0 = time.perf_counter()
+        wall0 = time.time() * 1000.0
         s = await fleet.client.send(
             tid, ControlAction.KILL, issuer="operator", reason="bench", check_known=False
         )
+        published = (time.perf_counter() - t0) * 1000.0
         deadline = t0 + 60.0
         while group_alive(pgid):
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"{tid}: process group {pgid} survived the kill")
             await asyncio.sleep(0.001)
         gone.append((time.perf_counter() - t0) * 1000.0)
-        at = await _await_entry(
-            fleet, tid, lambda e: isinstance(e, StateChanged) and e.to_state in _TERMINAL, "terminal state"
+        recorded_at: int | None = None
+        terminal_at: int | None = None
+        while terminal_at is None:
+            for at, event in await fleet.new_log_entries(tid):
+                if recorded_at is None and isinstance(event, ControlRequested):
+                    recorded_at = at
+                if isinstance(event, StateChanged) and event.to_state in _TERMINAL:
+                    terminal_at = at
+                    break
+            if terminal_at is None:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"{tid}: terminal state never appeared in the log")
+                await asyncio.sleep(0.002)
+        terminal.append(float(terminal_at - entry_ms(s.entry_id)))
+        hops.append(
+            {
+                "stamped": round(entry_ms(s.entry_id) - wall0, 1),
+                "published": round(published, 1),
+                "recorded": round((recorded_at if recorded_at is not None else terminal_at) - wall0, 1),
+                "gone": round(gone[-1], 1),
+                "terminal": round(terminal_at - wall0, 1),
+            }
         )
-        terminal.append(float(at - entry_ms(s.entry_id)))
-    return gone, terminal
+    return gone, terminal, hops
+
+
+# A kill's hops, each in ms from just before its publication: the server stamped the XADD (``stamped``),
+# the publisher had the reply (``published``: after the AOF fsync), the trajectory's ControlRequested entry
+# (``recorded``: after relay pickup, delivery and the signature check; the teardown starts before this
+# append), the sandbox group gone (``gone``), the terminal StateChanged entry (``terminal``).
+_HOPS = ("stamped", "published", "recorded", "gone", "terminal")
+
+
+def hop_summary(hops: list[dict[str, float]], slowest: int = 5) -> dict[str, Any]:
+    """p50/p99 of every hop, and the ``slowest`` kills (by ``gone``) hop by hop."""
+    return {
+        "p50_ms": {h: round(percentile([k[h] for k in hops], 50), 1) for h in _HOPS},
+        "p99_ms": {h: round(percentile([k[h] for k in hops], 99), 1) for h in _HOPS},
+        "slowest": sorted(hops, key=lambda k: -k["gone"])[:slowest],
+    }
 
 
 async def kill_all(fleet: Fleet, tids: list[str], groups: dict[str, int]) -> tuple[list[float], list[float]]:
@@ -404,10 +454,36 @@ async def launch_fleet(fleet: Fleet, n: int, groups: dict[str, int], workspaces:
     return tids
 
 
-async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: Path) -> dict[str, Any]:
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (the longest mount point in ``/proc/mounts`` above it)."""
+    resolved, best, fs = str(path.resolve()), "", "unknown"
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _dev, point, kind, *_ = line.split()
+            inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+            if inside and len(point) > len(best):
+                best, fs = point, kind
+    return fs
+
+
+async def run(
+    n: int,
+    rounds: int,
+    kill_rounds: int,
+    hibernated: int,
+    workdir: Path,
+    redis_dir: Path | None = None,
+    plot: Path = RESULTS_DIR / f"{NAME}.png",
+) -> dict[str, Any]:
     before = calibration()
     load_at_start = round(os.getloadavg()[0], 2)
-    server = RedisServer(data_dir=workdir / "redis").start()
+    data_dir = (
+        workdir / "redis"
+        if redis_dir is None
+        else Path(tempfile.mkdtemp(prefix="tether-aof-", dir=redis_dir))
+    )
+    redis_fs = filesystem_of(data_dir)
+    server = RedisServer(data_dir=data_dir).start()
     provider = start_provider_thread(ProviderConfig())
     keyring = workdir / "keyring.yaml"
     create_key("operator", [Role.OPERATOR], keyring)
@@ -420,6 +496,7 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
         relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         kills: list[float] = []
         kills_terminal: list[float] = []
+        kill_hops: list[dict[str, float]] = []
         fsync_stalls: list[dict[str, Any]] = []
         # Redis's own record of slow fsyncs (appendfsync always: the server's thread waits for the disk,
         # and every client with it), read after each round's kills
@@ -442,16 +519,24 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
             half = len(tids) // 2
             load_before_kills.append(round(os.getloadavg()[0], 2))
             kills_began = int(time.time())
-            paced, paced_terminal = await kill_paced(fleet, tids[:half], groups)
+            paced, paced_terminal, paced_hops = await kill_paced(fleet, tids[:half], groups)
             burst, burst_terminal = await kill_all(fleet, tids[half:], groups)
             fsync_stalls.append(await slow_fsyncs(fleet, since=kills_began))
             for tid in tids:
                 groups.pop(tid, None)
             kills += paced
             kills_terminal += paced_terminal
+            kill_hops += paced_hops
             kills_burst += burst
             kills_burst_terminal += burst_terminal
-            per_round.append({"kill_ms": _pct(paced), "kill_burst_ms": _pct(burst), "kills": len(paced)})
+            per_round.append(
+                {
+                    "kill_ms": _pct(paced),
+                    "kill_burst_ms": _pct(burst),
+                    "kills": len(paced),
+                    "kill_hops": hop_summary(paced_hops),
+                }
+            )
             print(
                 f"kill round {k}: one at a time {per_round[-1]['kill_ms']}, burst "
                 f"{per_round[-1]['kill_burst_ms']}",
@@ -468,9 +553,11 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
         ray.shutdown()
         provider.stop()
         server.stop()
+        if redis_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)
 
     write_plot(
-        NAME,
+        plot.stem,
         {
             "XADD -> recorded (one at a time)": record,
             f"XADD -> recorded (burst of {n})": record_burst,
@@ -480,6 +567,7 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
             "sandbox group teardown": teardown,
         },
         title=f"Control latency, {n} live trajectories, 2 relays (2-core machine)",
+        results_dir=plot.parent,
     )
     settings = {
         "trajectories": n,
@@ -501,6 +589,7 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
         "sandbox_teardown_ms": _pct(teardown),
         "kill_rounds": per_round,
         "kill_p99_ms_over_rounds": spread([r["kill_ms"]["p99"] for r in per_round], digits=1),
+        "kill_hops": hop_summary(kill_hops, slowest=10),
         "redis_fsync_stalls": fsync_stalls,
         "kill_burst_p99_ms_over_rounds": spread([r["kill_burst_ms"]["p99"] for r in per_round], digits=1),
         "hibernated_bytes": hib,
@@ -530,6 +619,9 @@ async def run(n: int, rounds: int, kill_rounds: int, hibernated: int, workdir: P
             "ray_cpus": 2,
             "ray_worker_niceness": int(os.environ["RAY_worker_niceness"]),  # noqa: SIM112 - Ray spells it so
             "appendfsync": "always",
+            "redis_dir": "the run's temporary directory" if redis_dir is None else str(redis_dir),
+            "redis_fs": redis_fs,
+            "redis_durable": redis_fs not in ("tmpfs", "ramfs"),
             "startup_s": startup,
             "load_avg_1m_at_start": load_at_start,
             "load_avg_1m_before_kills": load_before_kills,
@@ -546,10 +638,13 @@ async def slow_fsyncs(fleet: Fleet, since: int) -> dict[str, Any]:
     (``LATENCY HISTORY aof-fsync-always``: the slowest per second, the last 160 such seconds)."""
     raw = await fleet.redis.execute_command("LATENCY", "HISTORY", "aof-fsync-always")  # type: ignore[no-untyped-call]
     stalls = [int(ms) for at, ms in raw if int(at) >= since]
+    persistence = await fleet.redis.info("persistence")
     return {
         "seconds_with_a_stall": len(stalls),
         "max_ms": max(stalls, default=0),
         "threshold_ms": _SLOW_FSYNC_MS,
+        "aof_mb": round(int(persistence.get("aof_current_size", 0)) / 1e6, 1),
+        "aof_rewrites": int(persistence.get("aof_rewrites", 0)),
     }
 
 
@@ -919,6 +1014,15 @@ def main() -> None:
         help="fleets of N live trajectories to kill (half one at a time, half in a burst): N/2 x this kills",
     )
     parser.add_argument("--hibernated", type=int, default=10)
+    parser.add_argument(
+        "--redis-dir",
+        type=Path,
+        default=None,
+        help="keep Redis's AOF here (a disk of its own) instead of the run's temporary directory",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"result path (default: results/{NAME}.json; live case only)"
+    )
     parser.add_argument("--parked", type=int, default=300, help="parked trajectories per repetition")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the parked-fleet case")
     parser.add_argument("--slots", type=int, default=24, help="trajectory slots the local Ray declares")
@@ -936,22 +1040,35 @@ def main() -> None:
     args = parser.parse_args()
     if args.kill_rounds < 1 or args.trajectories < 2:
         parser.error("--kill-rounds must be at least 1 and --trajectories at least 2")
-    previous = RESULTS_DIR / f"{NAME}.json"
+    if args.redis_dir is not None and not args.redis_dir.is_dir():
+        parser.error(f"--redis-dir {args.redis_dir}: not a directory")
+    if args.out is not None and args.only != "live":
+        parser.error("--out writes a live-case run beside the headline: use it with --only live")
+    out: Path = args.out or RESULTS_DIR / f"{NAME}.json"
+    previous = out if out.exists() else RESULTS_DIR / f"{NAME}.json"
     result: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         if args.only in ("all", "live"):
             kept = result.get("parked")
             result = asyncio.run(
-                run(args.trajectories, args.rounds, args.kill_rounds, args.hibernated, Path(tmp) / "live")
+                run(
+                    args.trajectories,
+                    args.rounds,
+                    args.kill_rounds,
+                    args.hibernated,
+                    Path(tmp) / "live",
+                    redis_dir=args.redis_dir,
+                    plot=out.with_suffix(".png"),
+                )
             )
-            if kept is not None:
+            if kept is not None and args.out is None:  # a run beside the headline is the live case alone
                 result["parked"] = kept
         if args.only in ("all", "parked"):
             parked = asyncio.run(run_parked(args.parked, args.repeats, args.slots, Path(tmp) / "parked"))
             if args.append and result.get("parked"):
                 parked = append_parked(result["parked"], parked)
             result["parked"] = parked
-    path = write_json(NAME, result)
+    path = write_json(out.stem, result, out.parent)
     print(path)
     print({k: result.get(k) for k in ("trajectories", "record_ms", "kill_ms", "hibernated_bytes")})
     parked_result = result.get("parked") or {}
