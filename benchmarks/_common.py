@@ -243,3 +243,29 @@ def write_plot(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem holding ``path``, as ``"<type> (<device> on <mount point>)"`` from ``/proc/mounts``
+    (the longest mount point above it); ``"unknown"`` when that cannot be read. An fsync on tmpfs is free,
+    so an fsync-bound number measured there means nothing about a disk."""
+    best, found = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return found
+    resolved = str(path.resolve())
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1]
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, found = point, f"{parts[2]} ({parts[0]} on {point})"
+    return found
+
+
+def durable_filesystem(described: str) -> bool:
+    """False for a memory-backed filesystem as ``filesystem_of`` names it (tmpfs, ramfs): fsync is free."""
+    return described.split(" ", 1)[0] not in ("tmpfs", "ramfs")

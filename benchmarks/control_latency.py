@@ -80,7 +80,9 @@ from actors.trajectory import NONCE_KEY_PREFIX, TrajectoryLaunch, ensure_actor, 
 from benchmarks._common import (
     RESULTS_DIR,
     calibration,
+    durable_filesystem,
     environment,
+    filesystem_of,
     percentile,
     provenance,
     spread,
@@ -216,11 +218,16 @@ async def record_round(fleet: Fleet, tids: list[str], round_no: int) -> list[flo
     return samples
 
 
-async def _await_entry(fleet: Fleet, tid: str, match: Any, what: str) -> int:
-    """Server ms of the first new log entry of ``tid`` that ``match``es (polled every 2 ms)."""
+async def _await_entry(
+    fleet: Fleet, tid: str, match: Any, what: str, seen: list[tuple[int, Any]] | None = None
+) -> int:
+    """Server ms of the first new log entry of ``tid`` that ``match``es (polled every 2 ms); ``seen`` gets
+    every entry read up to and including that one, as (server ms, event)."""
     deadline = time.monotonic() + 60.0
     while True:
         for at, event in await fleet.new_log_entries(tid):
+            if seen is not None:
+                seen.append((at, event))
             if match(event):
                 return at
         if time.monotonic() > deadline:
@@ -300,25 +307,23 @@ async def kill_paced(
                 raise TimeoutError(f"{tid}: process group {pgid} survived the kill")
             await asyncio.sleep(0.001)
         gone.append((time.perf_counter() - t0) * 1000.0)
-        recorded_at: int | None = None
-        terminal_at: int | None = None
-        while terminal_at is None:
-            for at, event in await fleet.new_log_entries(tid):
-                if recorded_at is None and isinstance(event, ControlRequested):
-                    recorded_at = at
-                if isinstance(event, StateChanged) and event.to_state in _TERMINAL:
-                    terminal_at = at
-                    break
-            if terminal_at is None:
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(f"{tid}: terminal state never appeared in the log")
-                await asyncio.sleep(0.002)
+        seen: list[tuple[int, Any]] = []
+        terminal_at = await _await_entry(
+            fleet,
+            tid,
+            lambda e: isinstance(e, StateChanged) and e.to_state in _TERMINAL,
+            "terminal state",
+            seen=seen,
+        )
+        requested = [at for at, event in seen if isinstance(event, ControlRequested)]
+        if not requested:
+            raise AssertionError(f"{tid}: a terminal state in the log, but no ControlRequested for the kill")
         terminal.append(float(terminal_at - entry_ms(s.entry_id)))
         hops.append(
             {
                 "stamped": round(entry_ms(s.entry_id) - wall0, 1),
                 "published": round(published, 1),
-                "recorded": round((recorded_at if recorded_at is not None else terminal_at) - wall0, 1),
+                "recorded": round(requested[0] - wall0, 1),
                 "gone": round(gone[-1], 1),
                 "terminal": round(terminal_at - wall0, 1),
             }
@@ -329,7 +334,9 @@ async def kill_paced(
 # A kill's hops, each in ms from just before its publication: the server stamped the XADD (``stamped``),
 # the publisher had the reply (``published``: after the AOF fsync), the trajectory's ControlRequested entry
 # (``recorded``: after relay pickup, delivery and the signature check; the teardown starts before this
-# append), the sandbox group gone (``gone``), the terminal StateChanged entry (``terminal``).
+# append), the sandbox group gone (``gone``), the terminal StateChanged entry (``terminal``). A kill of a
+# trajectory waiting on a tool logs its request and its terminal state in one batch, and one append stamps
+# both with the same millisecond, so ``recorded`` and ``terminal`` agree there.
 _HOPS = ("stamped", "published", "recorded", "gone", "terminal")
 
 
@@ -452,18 +459,6 @@ async def launch_fleet(fleet: Fleet, n: int, groups: dict[str, int], workspaces:
     for tid in tids:
         await fleet.new_log_entries(tid)  # move the cursors past everything so far
     return tids
-
-
-def filesystem_of(path: Path) -> str:
-    """The type of the filesystem ``path`` is on (the longest mount point in ``/proc/mounts`` above it)."""
-    resolved, best, fs = str(path.resolve()), "", "unknown"
-    with open("/proc/mounts") as mounts:
-        for line in mounts:
-            _dev, point, kind, *_ = line.split()
-            inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-            if inside and len(point) > len(best):
-                best, fs = point, kind
-    return fs
 
 
 async def run(
@@ -621,7 +616,7 @@ async def run(
             "appendfsync": "always",
             "redis_dir": "the run's temporary directory" if redis_dir is None else str(redis_dir),
             "redis_fs": redis_fs,
-            "redis_durable": redis_fs not in ("tmpfs", "ramfs"),
+            "redis_durable": durable_filesystem(redis_fs),
             "startup_s": startup,
             "load_avg_1m_at_start": load_at_start,
             "load_avg_1m_before_kills": load_before_kills,
@@ -1045,8 +1040,10 @@ def main() -> None:
     if args.out is not None and args.only != "live":
         parser.error("--out writes a live-case run beside the headline: use it with --only live")
     out: Path = args.out or RESULTS_DIR / f"{NAME}.json"
-    previous = out if out.exists() else RESULTS_DIR / f"{NAME}.json"
-    result: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    previous = RESULTS_DIR / f"{NAME}.json"
+    # a run beside the headline (--out, live case only) is its own file: nothing is kept from the headline
+    keep = args.out is None and previous.exists()
+    result: dict[str, Any] = json.loads(previous.read_text()) if keep else {}
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         if args.only in ("all", "live"):
             kept = result.get("parked")
@@ -1061,7 +1058,7 @@ def main() -> None:
                     plot=out.with_suffix(".png"),
                 )
             )
-            if kept is not None and args.out is None:  # a run beside the headline is the live case alone
+            if kept is not None:
                 result["parked"] = kept
         if args.only in ("all", "parked"):
             parked = asyncio.run(run_parked(args.parked, args.repeats, args.slots, Path(tmp) / "parked"))

@@ -24,6 +24,7 @@ from pathlib import Path
 from benchmarks._common import (
     MIN_RUNS,
     calibration,
+    filesystem_of,
     percentile,
     provenance,
     result_path,
@@ -61,21 +62,6 @@ async def measure(urls: dict[str, str], n: int, warmup: int, seed: int) -> dict[
         for store in stores.values():
             await store.close()
     return samples
-
-
-def filesystem_of(path: Path) -> str:
-    """The filesystem type holding ``path`` (fsync on tmpfs is free, so the number means nothing there)."""
-    best, fstype = "", "unknown"
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return fstype
-    resolved = str(path.resolve())
-    for line in mounts:
-        parts = line.split()
-        if len(parts) >= 3 and resolved.startswith(parts[1]) and len(parts[1]) > len(best):
-            best, fstype = parts[1], f"{parts[2]} ({parts[0]} on {parts[1]})"
-    return fstype
 
 
 def main() -> None:
