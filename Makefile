@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: constraints setup demo test test-unit test-integration test-stress chaos lint typecheck fmt bench \
-	bench-quick clean test-long redis-check prometheus-check bwrap-check proto
+	bench-quick clean test-long redis-check prometheus-check bwrap-check proto bytecode
 
-setup: $(STAMP) redis-check prometheus-check bwrap-check
+setup: $(STAMP) bytecode redis-check prometheus-check bwrap-check
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -20,6 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 constraints: $(STAMP)
 	@(echo "# Versions the suite was last run green with; \`make setup\` installs within them (regenerate: make constraints)."; \
 	  $(BIN)/pip freeze --exclude-editable | grep -v '^tether' | sort -f) > constraints.txt
+
+# Every Ray worker imports the product's modules (176 files). With no compiled bytecode on disk (an editable install,
+# under PYTHONDONTWRITEBYTECODE as here) each worker compiles them again from source: ~0.2 s of CPU and
+# ~1.7 MB of private memory per trajectory process. Compiled once here; a no-op while the sources are unchanged.
+bytecode: $(STAMP)
+	@$(BIN)/python -m compileall -q runtime scheduler breakers actors cluster testbed
 
 redis-check:
 	@if command -v redis-server >/dev/null 2>&1; then :; \
@@ -129,3 +135,4 @@ bench-quick: setup
 
 clean:
 	rm -rf $(VENV) .tether .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	find runtime scheduler breakers actors cluster testbed benchmarks tests -name __pycache__ -prune -exec rm -rf {} +

@@ -13,6 +13,7 @@ Headline numbers are repeated (``--runs``, at least 3) and reported as ``{min, m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -29,6 +30,7 @@ __all__ = [
     "MIN_RUNS",
     "RESULTS_DIR",
     "Stopwatch",
+    "bytecode_cached",
     "calibration",
     "environment",
     "git_commit",
@@ -44,6 +46,7 @@ __all__ = [
 MIN_RUNS = 3
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PRODUCT_PACKAGES = ("runtime", "scheduler", "breakers", "actors", "cluster")
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -98,7 +101,26 @@ def environment() -> dict[str, Any]:
         "system": platform.system(),
         "cpus": os.cpu_count(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "bytecode_cached": bytecode_cached(),
+        "dont_write_bytecode": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
     }
+
+
+def bytecode_cached(root: Path = RESULTS_DIR.parent.parent) -> float:
+    """The share of the product's modules whose compiled bytecode is on disk and current.
+
+    Below 1.0, every Ray worker that imports them compiles them again from source (with
+    ``PYTHONDONTWRITEBYTECODE`` set nothing is written back): about 0.2 s of CPU and 1.7 MB of private memory
+    per trajectory process on this machine. ``make setup`` compiles them (``make bytecode``)."""
+    sources = [p for pkg in PRODUCT_PACKAGES for p in (root / pkg).rglob("*.py")]
+    if not sources:
+        return 0.0
+    current = 0
+    for source in sources:
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        if cached.exists():
+            current += cached.stat().st_mtime >= source.stat().st_mtime
+    return round(current / len(sources), 3)
 
 
 def spread(values: Sequence[float], digits: int = 4) -> dict[str, float | int]:
