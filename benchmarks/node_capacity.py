@@ -82,16 +82,31 @@ IMPORT_LADDER = (
     "actors.model_client",
     "cluster.adapters",
     "actors.trajectory",
+    # Ray's own, when it sets up the worker's serialization context for the actor's constructor arguments
+    # (``ray.util.serialization_addons``: serializers for pydantic's v1 fields and starlette's State,
+    # imported whenever those packages are installed; starlette comes with the ``mcp`` SDK)
+    "pydantic.v1.fields",
+    "starlette.datastructures",
+    # the control verifier, made ready once the trajectory has started (``_warm_control``)
+    "cryptography.hazmat.primitives.asymmetric.ed25519",
+    "cluster.signing",
 )
 # What a trajectory actor does not load (issue 14), imported after it: each delta is what it would cost.
 NOT_IN_TRAJECTORY = (
     "grpc",
     "actors.tools_grpc",
-    "cryptography.hazmat.primitives.asymmetric.ed25519",
-    "cluster.signing",
     "openai",
     "actors.model_openai",
 )
+# The native library each of those imports maps, as /proc/<pid>/maps names it: read from the running
+# trajectories, it checks the lists above against what a trajectory really loads (``mapped_by_trajectories``).
+NATIVE_LIBRARY = {
+    "pydantic": "/pydantic_core/_pydantic_core",
+    "msgpack": "/msgpack/_cmsgpack",
+    "yaml": "/yaml/_yaml",
+    "cryptography.hazmat.primitives.asymmetric.ed25519": "/cryptography/hazmat/bindings/_rust",
+    "grpc": "/grpc/_cython/cygrpc",
+}
 RESERVE_MB = 2_048  # left to the system when extrapolating the largest number of live trajectories
 
 
@@ -349,6 +364,13 @@ class Fleet:
         await self.client.close()
 
 
+def mapped_libraries(pid: int) -> set[str]:
+    """Which of ``NATIVE_LIBRARY``'s modules have their library mapped into process ``pid``."""
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read()
+    return {module for module, path in NATIVE_LIBRARY.items() if path in maps}
+
+
 def actor_pid(trajectory_id: str) -> int:
     actor = ray.get_actor(f"traj:{trajectory_id}", namespace="tether")
     pid: Any = ray.get(actor.pid.remote())
@@ -364,13 +386,16 @@ async def live_trajectories(fleet: Fleet, n: int) -> dict[str, Any]:
         tids += batch
         await fleet.wait(batch, lambda st: st.turns >= 3, "three turns")
     await asyncio.sleep(2.0)
-    per_actor = [memory_of(actor_pid(tid)) for tid in tids]
+    pids = [actor_pid(tid) for tid in tids]
+    per_actor = [memory_of(pid) for pid in pids]
+    mapped = [mapped_libraries(pid) for pid in pids]
     clients = model_clients()
     available_after = mem_available_mb()
     marginal = (available_before - available_after) / n
     return {
         "tids": tids,
         "per_actor": per_actor,
+        "mapped": mapped,
         "available": (available_before, available_after),
         "marginal_mb": marginal,
         "model_clients": clients,
@@ -652,6 +677,10 @@ def run(s: Settings, memory_only: bool = False) -> dict[str, Any]:
     per_actor = live["per_actor"]
     clients = live["model_clients"]
     pss = statistics.median(m["pss"] for m in per_actor)
+    mapped: list[set[str]] = live["mapped"]
+    for row in ladder:  # what the running trajectories show, beside what the lists above claim
+        if row["module"] in NATIVE_LIBRARY:
+            row["mapped_by_trajectories"] = sum(row["module"] in m for m in mapped) / len(mapped)
     available_at_start = live["available"][0]
     max_live = int((available_at_start - RESERVE_MB) / pss)
     memory = {
@@ -670,7 +699,9 @@ def run(s: Settings, memory_only: bool = False) -> dict[str, Any]:
                 "value per actor; bare_*: an async Ray actor with no imports of ours; model_client_*: the "
                 "node's model client actor the trajectories share (one per node); import_ladder: one "
                 "probe actor importing the trajectory actor's dependencies in order, then what a "
-                "trajectory does not load (loaded_by_trajectory false; cumulative, delta = that import)"
+                "trajectory does not load (loaded_by_trajectory false; cumulative, delta = that import); "
+                "mapped_by_trajectories: the share of the running trajectory actors whose process maps "
+                "that import's native library (a check of loaded_by_trajectory)"
             ),
         },
         "model_hop": part["hop"],

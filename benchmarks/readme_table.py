@@ -1,9 +1,10 @@
 """Regenerate the README's "Measured here" table from the headline result files (never from ``*.quick.json``).
 
 Each row says what was measured, the median with its spread over runs (min-max), the commit measured and
-whether the machine was busy (calibration load average above 0.75 per core), so a reader can tell a number
-from a quiet machine from one taken beside other work. A result file that is missing or predates the
-provenance fields is listed as such, not hidden.
+whether the machine was busy (calibration load average above 0.75 per core) and how fast its fixed CPU loop
+ran (a shared machine can be slow at low load), so a reader can tell a number from a quiet machine from one
+taken beside other work. A result file that is missing or predates the provenance fields is listed as such,
+not hidden.
 
     .venv/bin/python -m benchmarks.readme_table [--readme README.md] [--check]
 """
@@ -48,8 +49,11 @@ def _provenance(data: Mapping[str, Any]) -> str:
     load = calibration.get("load_avg", [None])[0]
     busy = calibration.get("busy")
     state = "busy machine" if busy else "quiet machine" if busy is not None else "load not recorded"
-    if load is not None:
-        state += f" (load {load})"
+    speed = calibration.get("cpu_loop_s")  # the fixed CPU loop: higher is a slower machine, load or not
+    shown = [f"load {load}"] if load is not None else []
+    shown += [f"cpu loop {speed} s"] if speed is not None else []
+    if shown:
+        state += f" ({', '.join(shown)})"
     dirty = "+local changes" if commit.get("dirty") else ""
     when = (data.get("environment") or {}).get("measured_at", "")[:10]
     runs = data.get("runs")

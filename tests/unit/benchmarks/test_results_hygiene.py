@@ -29,7 +29,7 @@ def _turn_overhead(p50: float) -> dict[str, object]:
         "floor_ms": {"p50": 1.0, "p99": 2.0},
         "runs": {"ratio_p50": {"min": 2.0, "median": 3.0, "max": 4.0, "runs": 3}},
         "commit": {"sha": "0123456789abcdef", "dirty": False},
-        "calibration": {"before": {"load_avg": [3.5, 1, 1], "busy": True}},
+        "calibration": {"before": {"load_avg": [3.5, 1, 1], "busy": True, "cpu_loop_s": 0.126}},
         "environment": {"measured_at": "2026-11-30T12:00:00Z"},
     }
 
@@ -45,7 +45,7 @@ def test_the_table_reads_headline_files_only_and_says_what_is_missing(tmp_path: 
     row = next(line for line in text.splitlines() if "`turn_overhead`" in line)
     assert "9.0 ms" in row and "99.0" not in row
     assert "3.00 [2.00-4.00]" in row
-    assert "`01234567`" in row and "busy machine" in row
+    assert "`01234567`" in row and "busy machine (load 3.5, cpu loop 0.126 s)" in row
     assert "not measured yet" in next(line for line in text.splitlines() if "`rate_limit`" in line)
 
 
