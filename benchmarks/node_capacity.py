@@ -84,7 +84,9 @@ IMPORT_LADDER = (
     "actors.trajectory",
     # Ray's own, when it sets up the worker's serialization context for the actor's constructor arguments
     # (``ray.util.serialization_addons``: serializers for pydantic's v1 fields and starlette's State,
-    # imported whenever those packages are installed; starlette comes with the ``mcp`` SDK)
+    # imported whenever those packages are installed; starlette comes with the ``mcp`` SDK). The probe's
+    # first call (``load("pydantic")``) sets up its context, so their cost shows in the pydantic row and
+    # these rows are ~0: listed so the ladder names everything a trajectory has loaded.
     "pydantic.v1.fields",
     "starlette.datastructures",
     # the control verifier, made ready once the trajectory has started (``_warm_control``)
