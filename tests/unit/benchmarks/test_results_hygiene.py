@@ -4,11 +4,13 @@ from the headline JSON only."""
 from __future__ import annotations
 
 import json
+import os
+import py_compile
 from pathlib import Path
 
 import pytest
 
-from benchmarks._common import result_path, spread
+from benchmarks._common import bytecode_cached, result_path, spread
 from benchmarks.readme_table import BEGIN, END, regenerate, table
 
 
@@ -118,3 +120,21 @@ def test_the_control_latency_row_says_whether_the_parked_fleet_was_measured(tmp_
     (tmp_path / "control_latency.json").write_text(json.dumps({**live, "parked": mixed}))
     row = next(line for line in table(tmp_path).splitlines() if "`control_latency`" in line)
     assert "parked fleet (fedcba98+local changes, 01234567)" in row
+
+
+def test_bytecode_cached_is_the_share_of_product_modules_with_current_bytecode(tmp_path: Path) -> None:
+    # Given two product modules and no compiled bytecode
+    modules = [tmp_path / "runtime" / "a.py", tmp_path / "actors" / "b.py"]
+    for module in modules:
+        module.parent.mkdir()
+        module.write_text("X = 1\n")
+    assert bytecode_cached(tmp_path) == 0.0
+    # When one is compiled, then both
+    py_compile.compile(str(modules[0]))
+    assert bytecode_cached(tmp_path) == 0.5
+    py_compile.compile(str(modules[1]))
+    assert bytecode_cached(tmp_path) == 1.0
+    # Then a source edited after its bytecode was written no longer counts
+    later = os.stat(modules[1]).st_mtime + 10
+    os.utime(modules[1], (later, later))
+    assert bytecode_cached(tmp_path) == 0.5
