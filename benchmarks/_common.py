@@ -9,6 +9,12 @@ process spawn, fsync, load average, free memory: numbers from a busy machine say
 Headline numbers are repeated (``--runs``, at least 3) and reported as ``{min, median, max}``
 (:func:`spread`). A ``--quick`` run writes ``<name>.quick.json`` next to the headline file, never over it
 (:func:`result_path`).
+
+On a virtual machine two things outside the benchmark move its numbers and are recorded with them: the share
+of CPU time the hypervisor gave to other guests while the calibration ran (``cpu_steal``: 20-30 % was seen
+here on an afternoon whose load average was below 2, and a Ray round trip then took twice as long), and the
+kernel's DAMON monitors (``environment()["damon"]``: the platform runs a ``kdamond`` whose walks of shared
+file mappings held a SIGKILLed process's exit for seconds under load, ``docs/perf/capacity.md``).
 """
 
 from __future__ import annotations
@@ -103,7 +109,37 @@ def environment() -> dict[str, Any]:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "bytecode_cached": bytecode_cached(),
         "dont_write_bytecode": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
+        "damon": damon_state(),
     }
+
+
+_DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
+
+
+def damon_state(admin: Path = _DAMON_ADMIN) -> list[dict[str, Any]] | None:
+    """The kernel's DAMON monitors (``kdamond``), as the sysfs admin interface shows them: per monitor its
+    state (``on``/``off``), the address space it watches (``paddr``: all physical memory) and the actions
+    of its schemes (``pageout``: proactive reclaim). None where the kernel has no DAMON sysfs."""
+    if not admin.is_dir():
+        return None
+    monitors = []
+    for kdamond in sorted(p for p in admin.iterdir() if p.name.isdigit()):
+        contexts = sorted(p for p in (kdamond / "contexts").glob("[0-9]*"))
+        monitors.append(
+            {
+                "state": _read(kdamond / "state"),
+                "operations": [_read(c / "operations") for c in contexts],
+                "actions": [_read(a) for c in contexts for a in sorted(c.glob("schemes/[0-9]*/action"))],
+            }
+        )
+    return monitors
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def bytecode_cached(root: Path = RESULTS_DIR.parent.parent) -> float:
@@ -167,12 +203,36 @@ def _meminfo_mb(field: str) -> int:
     return -1
 
 
+def cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(steal, total) CPU time of the whole machine since boot, in clock ticks, from ``/proc/stat``'s
+    ``cpu`` line; None where it cannot be read. Steal is time the hypervisor ran another guest while this
+    one had work: on a shared host it is where a quiet-looking machine's lost speed goes."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest is in user)
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time stolen between two ``cpu_times`` readings (None if unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
+
+
 def calibration() -> dict[str, Any]:
     """A few fixed operations timed now, to compare machines and to tell a busy machine from a quiet one.
 
     The same operations as the test suite's summary line (``tests/conftest.py``); where the suite was
-    written a quiet run gave cpu loop 0.07-0.15 s, process spawn ~1 ms, fsync ~0.2 ms.
+    written a quiet run gave cpu loop 0.07-0.15 s, process spawn ~1 ms, fsync ~0.2 ms. ``cpu_steal``: the
+    share of CPU time the hypervisor took while these ran and for half a second after (a busy host).
     """
+    ticks = cpu_times()
     started = time.perf_counter()
     total = 0
     for i in range(2_000_000):
@@ -189,6 +249,8 @@ def calibration() -> dict[str, Any]:
             f.flush()
             os.fsync(f.fileno())
         fsync = (time.perf_counter() - started) / 20
+    time.sleep(0.5)  # the loops above take ~0.2 s: too few clock ticks to tell a steal share from noise
+    steal = steal_share(ticks, cpu_times())
     load = os.getloadavg()
     return {
         "cpu_loop_s": round(cpu, 3),
@@ -198,8 +260,12 @@ def calibration() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "mem_available_mb": _meminfo_mb("MemAvailable"),
         "mem_total_mb": _meminfo_mb("MemTotal"),
-        "busy": load[0] > 0.75 * (os.cpu_count() or 1),
+        "cpu_steal": steal,
+        "busy": load[0] > 0.75 * (os.cpu_count() or 1) or (steal or 0.0) >= _BUSY_STEAL,
     }
+
+
+_BUSY_STEAL = 0.1  # a tenth of the CPU going to other guests: the machine is busy whatever its load says
 
 
 def provenance(settings: Mapping[str, Any], before: Mapping[str, Any] | None = None) -> dict[str, Any]:

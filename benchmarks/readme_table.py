@@ -52,6 +52,8 @@ def _provenance(data: Mapping[str, Any]) -> str:
     speed = calibration.get("cpu_loop_s")  # the fixed CPU loop: higher is a slower machine, load or not
     shown = [f"load {load}"] if load is not None else []
     shown += [f"cpu loop {speed} s"] if speed is not None else []
+    steal = calibration.get("cpu_steal")  # the hypervisor's share: a quiet load with a slow host
+    shown += [f"cpu steal {round(steal * 100)} %"] if steal is not None else []
     if shown:
         state += f" ({', '.join(shown)})"
     dirty = "+local changes" if commit.get("dirty") else ""

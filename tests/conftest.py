@@ -196,4 +196,5 @@ def _machine_calibration() -> str:
         f"machine: cpu loop {c['cpu_loop_s']:.2f}s, process spawn {c['process_spawn_ms']:.1f}ms, "
         f"fsync {c['fsync_ms']:.1f}ms, load {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, cpus {c['cpus']}, "
         f"memory available {c['mem_available_mb']} MB of {c['mem_total_mb']} MB, /dev/shm free {shm_mb} MB"
+        + (f", cpu steal {c['cpu_steal']:.0%}" if c.get("cpu_steal") is not None else "")
     )
