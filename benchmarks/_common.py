@@ -33,17 +33,21 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DAMON_ADMIN",
     "MIN_RUNS",
     "RESULTS_DIR",
     "Stopwatch",
     "bytecode_cached",
     "calibration",
+    "cpu_times",
+    "damon_state",
     "environment",
     "git_commit",
     "percentile",
     "provenance",
     "result_path",
     "spread",
+    "steal_share",
     "summarize_ms",
     "write_json",
     "write_plot",
@@ -113,10 +117,10 @@ def environment() -> dict[str, Any]:
     }
 
 
-_DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
+DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
 
-def damon_state(admin: Path = _DAMON_ADMIN) -> list[dict[str, Any]] | None:
+def damon_state(admin: Path = DAMON_ADMIN) -> list[dict[str, Any]] | None:
     """The kernel's DAMON monitors (``kdamond``), as the sysfs admin interface shows them: per monitor its
     state (``on``/``off``), the address space it watches (``paddr``: all physical memory) and the actions
     of its schemes (``pageout``: proactive reclaim). None where the kernel has no DAMON sysfs."""

@@ -23,6 +23,12 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   its publication: the server stamped the kill's XADD, the publisher had its reply (after the fsync), the
   trajectory's ``ControlRequested`` entry, the group gone, the terminal entry (server stream ids against
   this process's wall clock: one clock on one machine); p50/p99 per hop and the slowest kills hop by hop.
+- ``slow_kill_states``: a one-at-a-time kill still waiting 300 ms, 1 s and 2 s after its publication has
+  its sandbox group's processes looked at once at each mark (state letter and the kernel function each
+  waits in, ``group_members``); the counts over every kill, and each slow kill's looks in ``kill_hops``.
+  ``--damon-off`` (root; with ``--out``, never the headline) stops the kernel's DAMON monitors for the run
+  and starts them again after it: the platform's proactive-reclaim monitor held dying sandbox processes in
+  ``unlink_file_vma_batch_process`` for seconds (docs/perf/capacity.md, "Kill latency: the kernel's exit").
 - ``redis_fsync_stalls``: per kill round, the seconds in which Redis's own latency monitor saw an AOF fsync of
   100 ms or more while the kills ran (with ``appendfsync always`` the server's thread waits for the disk,
   and every client's command with it: the kill's XADD, the relay's read), and the slowest; with the AOF's
@@ -49,6 +55,7 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
 
     .venv/bin/python -m benchmarks.control_latency [--only live] [--trajectories 100] [--rounds 5]
         [--kill-rounds 4] [--hibernated 10]   (--only live keeps the stored parked result)
+    .venv/bin/python -m benchmarks.control_latency --only live --damon-off --out PATH   (diagnostic, root)
     .venv/bin/python -m benchmarks.control_latency --only parked [--parked 300] [--repeats 3] [--slots 24]
         [--append]   (add the repetitions to the stored ones instead of replacing them)
 """
@@ -67,6 +74,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +86,10 @@ from actors.relay import start_relays, stop_relays
 from actors.sandbox import Sandbox
 from actors.trajectory import NONCE_KEY_PREFIX, TrajectoryLaunch, ensure_actor, save_launch
 from benchmarks._common import (
+    DAMON_ADMIN,
     RESULTS_DIR,
     calibration,
+    damon_state,
     durable_filesystem,
     environment,
     filesystem_of,
@@ -285,13 +295,13 @@ def group_alive(pgid: int) -> bool:
 
 async def kill_paced(
     fleet: Fleet, tids: list[str], groups: dict[str, int]
-) -> tuple[list[float], list[float], list[dict[str, float]]]:
+) -> tuple[list[float], list[float], list[dict[str, Any]]]:
     """One kill at a time: ms until the sandbox group is gone, ms from the kill entry to the terminal
     state entry in the log, and each kill's hops (``_HOPS``: ms from just before the publication, the
     server's stream ids read against this process's wall clock, the same clock on one machine)."""
     gone: list[float] = []
     terminal: list[float] = []
-    hops: list[dict[str, float]] = []
+    hops: list[dict[str, Any]] = []
     for tid in tids:
         pgid = groups[tid]
         assert group_alive(pgid), f"{tid}'s command ended before the kill"
@@ -302,7 +312,13 @@ async def kill_paced(
         )
         published = (time.perf_counter() - t0) * 1000.0
         deadline = t0 + 60.0
+        looks = list(_LOOK_AT_MS)
+        members_at: list[dict[str, Any]] = []
         while group_alive(pgid):
+            waited_ms = (time.perf_counter() - t0) * 1000.0
+            if looks and waited_ms >= looks[0]:
+                looks.pop(0)  # a slow kill: what the group's processes are doing (one /proc scan)
+                members_at.append({"after_ms": round(waited_ms), "members": group_members(pgid)})
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"{tid}: process group {pgid} survived the kill")
             await asyncio.sleep(0.001)
@@ -326,9 +342,62 @@ async def kill_paced(
                 "recorded": round(requested[0] - wall0, 1),
                 "gone": round(gone[-1], 1),
                 "terminal": round(terminal_at - wall0, 1),
+                **({"members_at": members_at} if members_at else {}),
             }
         )
     return gone, terminal, hops
+
+
+# A kill still waiting this long (ms) has its sandbox group's processes looked at once per mark: each one's
+# scheduler state and the kernel function it waits in. That tells a process that has not been signalled yet
+# (still S in its own code) from one that is dying in the kernel (D in an exit path): the slow kills at
+# 100 live were the second kind (docs/perf/capacity.md).
+_LOOK_AT_MS = (300.0, 1000.0, 2000.0)
+
+
+def group_members(pgid: int) -> list[str]:
+    """Each live process of group ``pgid`` as ``"<state> <where>"``: its state letter from
+    ``/proc/<pid>/stat`` (R running, S sleeping, D uninterruptible, Z exited and not yet reaped) and where
+    the kernel has it waiting (``wchan``, or the first frame of ``/proc/<pid>/stack`` where readable)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # after the comm: state, ppid, pgrp
+                continue
+            found.append(f"{fields[0]} {_waiting_in(int(entry))}".rstrip())
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return sorted(found)
+
+
+def _waiting_in(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            where = f.read().strip()
+    except OSError:
+        where = ""
+    if where in ("", "0"):
+        try:
+            with open(f"/proc/{pid}/stack") as f:  # root only; a running task's kernel frames
+                first = f.readline().split()
+            where = first[1].split("+", 1)[0] if len(first) > 1 else ""
+        except OSError:
+            where = ""
+    return where
+
+
+def slow_kill_states(hops: list[dict[str, Any]]) -> dict[str, int]:
+    """How often each "<state> <where>" was seen among the sandbox processes of kills still waiting at a
+    look (``_LOOK_AT_MS``), over every one-at-a-time kill: what the slow kills were waiting for."""
+    seen: Counter[str] = Counter()
+    for hop in hops:
+        for look in hop.get("members_at", ()):
+            seen.update(look["members"])
+    return dict(seen.most_common())
 
 
 # A kill's hops, each in ms from just before its publication: the server stamped the XADD (``stamped``),
@@ -340,7 +409,7 @@ async def kill_paced(
 _HOPS = ("stamped", "published", "recorded", "gone", "terminal")
 
 
-def hop_summary(hops: list[dict[str, float]], slowest: int = 5) -> dict[str, Any]:
+def hop_summary(hops: list[dict[str, Any]], slowest: int = 5) -> dict[str, Any]:
     """p50/p99 of every hop, and the ``slowest`` kills (by ``gone``) hop by hop."""
     return {
         "p50_ms": {h: round(percentile([k[h] for k in hops], 50), 1) for h in _HOPS},
@@ -491,7 +560,7 @@ async def run(
         relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         kills: list[float] = []
         kills_terminal: list[float] = []
-        kill_hops: list[dict[str, float]] = []
+        kill_hops: list[dict[str, Any]] = []
         fsync_stalls: list[dict[str, Any]] = []
         # Redis's own record of slow fsyncs (appendfsync always: the server's thread waits for the disk,
         # and every client with it), read after each round's kills
@@ -530,6 +599,7 @@ async def run(
                     "kill_burst_ms": _pct(burst),
                     "kills": len(paced),
                     "kill_hops": hop_summary(paced_hops),
+                    "slow_kill_states": slow_kill_states(paced_hops),
                 }
             )
             print(
@@ -585,6 +655,7 @@ async def run(
         "kill_rounds": per_round,
         "kill_p99_ms_over_rounds": spread([r["kill_ms"]["p99"] for r in per_round], digits=1),
         "kill_hops": hop_summary(kill_hops, slowest=10),
+        "slow_kill_states": slow_kill_states(kill_hops),
         "redis_fsync_stalls": fsync_stalls,
         "kill_burst_p99_ms_over_rounds": spread([r["kill_burst_ms"]["p99"] for r in per_round], digits=1),
         "hibernated_bytes": hib,
@@ -641,6 +712,24 @@ async def slow_fsyncs(fleet: Fleet, since: int) -> dict[str, Any]:
         "aof_mb": round(int(persistence.get("aof_current_size", 0)) / 1e6, 1),
         "aof_rewrites": int(persistence.get("aof_rewrites", 0)),
     }
+
+
+@contextlib.contextmanager
+def damon_paused(pause: bool, admin: Path = DAMON_ADMIN) -> Iterator[list[dict[str, Any]] | None]:
+    """With ``pause``, every running DAMON monitor of the kernel is stopped for the block and started again
+    after it (its configuration stays in sysfs): a diagnostic, to tell what the platform's proactive-reclaim
+    monitor costs a kill from what Tether does. Yields the monitors' state during the block."""
+    stopped: list[Path] = []
+    if pause:
+        for state in sorted(admin.glob("[0-9]*/state")):
+            if state.read_text().strip() == "on":
+                state.write_text("off")
+                stopped.append(state)
+    try:
+        yield damon_state(admin)
+    finally:
+        for state in stopped:
+            state.write_text("on")
 
 
 def _pct(samples: list[float]) -> dict[str, float]:
@@ -1018,6 +1107,11 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help=f"result path (default: results/{NAME}.json; live case only)"
     )
+    parser.add_argument(
+        "--damon-off",
+        action="store_true",
+        help="diagnostic (root, with --out): stop the kernel's DAMON monitors for the run, start them after",
+    )
     parser.add_argument("--parked", type=int, default=300, help="parked trajectories per repetition")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of the parked-fleet case")
     parser.add_argument("--slots", type=int, default=24, help="trajectory slots the local Ray declares")
@@ -1039,6 +1133,8 @@ def main() -> None:
         parser.error(f"--redis-dir {args.redis_dir}: not a directory")
     if args.out is not None and args.only != "live":
         parser.error("--out writes a live-case run beside the headline: use it with --only live")
+    if args.damon_off and (args.out is None or os.geteuid() != 0 or damon_state() is None):
+        parser.error("--damon-off changes the machine: it needs root, a kernel with DAMON and --out")
     out: Path = args.out or RESULTS_DIR / f"{NAME}.json"
     previous = RESULTS_DIR / f"{NAME}.json"
     # a run beside the headline (--out, live case only) is its own file: nothing is kept from the headline
@@ -1047,17 +1143,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         if args.only in ("all", "live"):
             kept = result.get("parked")
-            result = asyncio.run(
-                run(
-                    args.trajectories,
-                    args.rounds,
-                    args.kill_rounds,
-                    args.hibernated,
-                    Path(tmp) / "live",
-                    redis_dir=args.redis_dir,
-                    plot=out.with_suffix(".png"),
+            with damon_paused(args.damon_off) as damon:
+                result = asyncio.run(
+                    run(
+                        args.trajectories,
+                        args.rounds,
+                        args.kill_rounds,
+                        args.hibernated,
+                        Path(tmp) / "live",
+                        redis_dir=args.redis_dir,
+                        plot=out.with_suffix(".png"),
+                    )
                 )
-            )
+            result["setup"]["damon_during_run"] = damon
             if kept is not None:
                 result["parked"] = kept
         if args.only in ("all", "parked"):

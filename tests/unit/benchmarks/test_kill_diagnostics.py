@@ -1,0 +1,83 @@
+"""control_latency's look at a slow kill: what the sandbox group's processes are doing while the kill waits,
+and the diagnostic that stops the kernel's DAMON monitors for a run and starts them again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from benchmarks.control_latency import damon_paused, group_members, slow_kill_states
+
+
+def test_a_group_is_listed_with_each_members_state_until_it_is_reaped() -> None:
+    # Given a process group of two sleeping processes (a shell and its child)
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    try:
+        members: list[str] = []
+        for _ in range(200):  # the child sleep starts a moment after the shell
+            members = group_members(proc.pid)
+            if len(members) == 2:
+                break
+            os.sched_yield()
+        # Then both are seen, sleeping (S) in the kernel
+        assert len(members) == 2 and all(m.startswith("S") for m in members), members
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # When the shell is reaped, only its orphan (reparented, maybe not yet reaped) can remain
+    assert all(m.split()[0] in ("Z", "D", "R") for m in group_members(proc.pid))
+    assert group_members(2**22 + 7) == []  # a group nobody is in
+
+
+def test_slow_kill_states_count_what_the_waiting_kills_showed() -> None:
+    hops = [
+        {"gone": 250.0},  # fast: never looked at
+        {
+            "gone": 2900.0,
+            "members_at": [
+                {
+                    "after_ms": 301,
+                    "members": ["D unlink_file_vma_batch_process", "D unlink_file_vma_batch_process"],
+                },
+                {"after_ms": 1002, "members": ["D unlink_file_vma_batch_process", "R zap_pid_ns_processes"]},
+            ],
+        },
+        {"gone": 400.0, "members_at": [{"after_ms": 300, "members": ["Z"]}]},
+    ]
+    assert slow_kill_states(hops) == {
+        "D unlink_file_vma_batch_process": 3,
+        "R zap_pid_ns_processes": 1,
+        "Z": 1,
+    }
+
+
+def _monitors(admin: Path, *states: str) -> None:
+    for i, state in enumerate(states):
+        (admin / str(i) / "contexts").mkdir(parents=True)
+        (admin / str(i) / "state").write_text(state + "\n")
+
+
+def test_damon_is_stopped_for_the_block_and_started_again_after(tmp_path: Path) -> None:
+    # Given one running monitor and one its operator had stopped
+    _monitors(tmp_path, "on", "off")
+    # When a run pauses DAMON
+    with damon_paused(True, tmp_path) as during:
+        # Then both are off during it
+        assert [m["state"] for m in during or []] == ["off", "off"]
+    # and afterwards only the one that was running runs again
+    assert [(tmp_path / str(i) / "state").read_text().strip() for i in (0, 1)] == ["on", "off"]
+
+
+def test_damon_is_left_alone_without_the_diagnostic_even_when_the_run_fails(tmp_path: Path) -> None:
+    _monitors(tmp_path, "on")
+    try:
+        with damon_paused(False, tmp_path) as during:
+            assert [m["state"] for m in during or []] == ["on"]
+            raise RuntimeError("the run failed")
+    except RuntimeError:
+        pass
+    with damon_paused(True, tmp_path):
+        pass
+    assert (tmp_path / "0" / "state").read_text().strip() == "on"
