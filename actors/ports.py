@@ -23,11 +23,14 @@ from runtime.ports import LogStore
 
 __all__ = [
     "MALFORMED",
+    "REFUSED",
+    "VERIFIED",
     "AuditEntry",
     "AuditSink",
     "ClosableLogStore",
     "ClusterPorts",
     "ControlEnvelope",
+    "ControlVerdict",
     "ControlVerifier",
     "LiveEventSink",
     "RelayClaim",
@@ -36,6 +39,9 @@ __all__ = [
     "SupervisionStore",
     "TimerStore",
     "VerifiedControl",
+    "read_verdict",
+    "refused_verdict",
+    "verified_verdict",
 ]
 
 MALFORMED = "MALFORMED"  # the reject reason of bytes that do not decode as a control message
@@ -75,7 +81,8 @@ class VerifiedControl:
 
 
 class ControlVerifier(Protocol):
-    """Decodes and verifies signed control messages (one per actor incarnation: it may cache its keyring)."""
+    """Decodes and verifies signed control messages (one per relay and keyring, or per actor incarnation that
+    verifies for itself: it may cache its keyring)."""
 
     def decode(self, data: bytes) -> ControlEnvelope:
         """The envelope of ``data``; ``runtime.errors.CodecError`` naming what is wrong otherwise."""
@@ -88,10 +95,50 @@ class ControlVerifier(Protocol):
         (``seen(message_id, nonce)``); ``runtime.errors.ControlError`` with the reason code otherwise."""
         ...
 
-    def prepare(self) -> None:
-        """Load now what the first ``verify`` would (the keyring, the signature code), so that message does
-        not wait for it. Raises what that load raises."""
-        ...
+
+# The relay's verdict on a message it verified, handed to the trajectory actor with the message's bytes:
+# ``("verified", signers, {signer: sorted roles})`` or ``("refused", reason, detail)``. Plain values only:
+# the actor reads it without the keyring or the signature code (docs/control.md, "Where signatures are
+# checked": loading them cost every trajectory process ~8.5 MB resident and up to half a second per wake).
+VERIFIED = "verified"
+REFUSED = "refused"
+ControlVerdict = tuple[str, Any, Any]
+
+
+def verified_verdict(verified: VerifiedControl) -> ControlVerdict:
+    """The verdict that says ``verified`` checked out (its signers and each one's roles)."""
+    signer_roles = dict(verified.signer_roles) or {name: verified.roles for name in verified.signers}
+    roles = {name: tuple(sorted(held)) for name, held in signer_roles.items()}
+    return (VERIFIED, tuple(verified.signers), roles)
+
+
+def refused_verdict(reason: str, detail: str) -> ControlVerdict:
+    """The verdict that refuses a message (``reason``: the verifier's reason code)."""
+    return (REFUSED, reason, detail)
+
+
+def read_verdict(envelope: ControlEnvelope, verdict: ControlVerdict) -> VerifiedControl | tuple[str, str]:
+    """What ``verdict`` says of ``envelope``: the verified message, or the (reason, detail) of its refusal.
+    ``ValueError`` when it is neither (the caller then verifies for itself)."""
+    try:
+        tag, first, second = verdict
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not a control verdict: {verdict!r}") from e
+    if tag == REFUSED and isinstance(first, str) and isinstance(second, str):
+        return first, second
+    if (
+        tag == VERIFIED
+        and isinstance(first, tuple | list)
+        and first
+        and all(isinstance(name, str) for name in first)
+        and isinstance(second, Mapping)
+        and set(second) == set(first)
+        and all(isinstance(held, tuple | list) for held in second.values())
+    ):
+        signer_roles = {name: frozenset(str(r) for r in held) for name, held in second.items()}
+        roles = frozenset[str]().union(*signer_roles.values())
+        return VerifiedControl(envelope, tuple(first), roles, signer_roles)
+    raise ValueError(f"not a control verdict: {verdict!r}")
 
 
 # --------------------------------------------------------------------------- views and the log
@@ -290,6 +337,11 @@ class ClusterPorts(Protocol):
 
     def control_verifier(self, keyring_path: str | None) -> ControlVerifier:
         """A verifier over the keyring at ``keyring_path`` (None: the cluster default)."""
+        ...
+
+    def decode_control(self, data: bytes) -> ControlEnvelope:
+        """The envelope of an encoded control message, decoded without the keyring or the signature code
+        (a message whose relay verdict the actor takes); ``runtime.errors.CodecError`` when it is not one."""
         ...
 
     def relay_stream(self, redis_url: str) -> RelayStream:

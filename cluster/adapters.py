@@ -2,8 +2,9 @@
 
 ``actors/`` declares what it needs (``actors.ports.ClusterPorts``) and never imports ``cluster``; this
 module supplies it: the Redis log store, live events on ``tether:events``, signed-message verification
-against the keyring, the partitioned ``tether:control:<n>`` consumer-group transport with its partition
-leases, the ``tether:audit`` sink and the durable timer store.
+against the keyring (and decoding without it, for an actor that takes its relay's verdict), the
+partitioned ``tether:control:<n>`` consumer-group transport with its partition leases, the ``tether:audit``
+sink and the durable timer store.
 
 ``ClusterAdapters`` is a plain, stateless, module-level class, so it pickles by reference: the driver (or
 a relay) passes one to every actor it creates and the worker imports this module when it unpickles it.
@@ -47,6 +48,7 @@ __all__ = [
     "LiveEvents",
     "RedisAudit",
     "RelayControlStream",
+    "decode_envelope",
     "envelope_of",
     "relay_claim",
     "relay_delivery",
@@ -69,6 +71,11 @@ def envelope_of(message: ControlMessage, data: bytes | None = None) -> ControlEn
         data=encode_control(message) if data is None else data,
         source=message,
     )
+
+
+def decode_envelope(data: bytes) -> ControlEnvelope:
+    """The envelope of encoded ``data`` (msgpack and the schema only: no keyring, no signature code)."""
+    return envelope_of(decode_message(data), bytes(data))
 
 
 _Stamp = tuple[int, int, int] | None
@@ -102,11 +109,8 @@ class KeyringVerifier:
             self.loads += 1
         return self._verifier
 
-    def prepare(self) -> None:
-        self._current()
-
     def decode(self, data: bytes) -> ControlEnvelope:
-        return envelope_of(decode_message(data), bytes(data))
+        return decode_envelope(data)
 
     def verify(
         self, envelope: ControlEnvelope, now: float, seen: Callable[[str, str], bool]
@@ -260,6 +264,9 @@ class ClusterAdapters:
         from cluster.signing import keyring_path as default_keyring_path
 
         return KeyringVerifier(Path(keyring_path) if keyring_path else default_keyring_path())
+
+    def decode_control(self, data: bytes) -> ControlEnvelope:
+        return decode_envelope(data)
 
     def relay_stream(self, redis_url: str) -> RelayControlStream:
         return RelayControlStream(

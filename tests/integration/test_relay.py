@@ -1,6 +1,7 @@
 """Relays on a real Redis and a local Ray, delivering to real trajectory actors (issue 16):
 
 - a tampered copy published before the genuine message does not cancel it: applied once, the copy audited;
+- a trajectory reached only through relays takes their verdict and never maps the signature code;
 - an unsigned message to a hibernated trajectory is refused and audited, and no actor is created;
 - a trajectory whose exited actor is still pinned under its name (someone holds a handle) is woken anyway;
 - undeliverable entries for other trajectories do not hold up an interrupt to a running one;
@@ -163,6 +164,40 @@ async def test_a_tampered_copy_first_does_not_cancel_the_genuine_message(plane: 
         if e.observation is ObservationKind.USER
     ]
     assert "genuine" in users and "rm -rf /" not in users
+
+
+# Ed25519's native library, as /proc/<pid>/maps names it
+SIGNATURE_CODE = "cryptography/hazmat/bindings/_rust"
+
+
+def mapped_signature_code(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.split()[-1] for line in f if SIGNATURE_CODE in line]
+
+
+async def test_a_trajectory_reached_through_relays_never_loads_the_signature_code(plane: Plane) -> None:
+    # Given a relay, and a trajectory an operator paused through it (a signed message the relay verified)
+    plane.relays += start_relays(plane.url, adapters=ClusterAdapters(), n=1, config=FAST)
+    tid = await parked(plane)
+
+    # When the operator's signed interrupt follows the same way
+    await plane.client.send(tid, ControlAction.INTERRUPT, issuer="alice", payload={"message": "a"})
+    await eventually(lambda: settled(plane.url), "the entries to be acked")
+
+    # Then the trajectory recorded both with the relay's verdicts to go by, and its process never mapped
+    # cryptography's native bindings
+    requested = [r.action for r in kinds(await plane.events(tid), ControlRequested)]
+    assert requested == [ControlAction.PAUSE, ControlAction.INTERRUPT]
+    assert ray.get(plane.relays[0].stats.remote())["delivered"] == 2
+    handle = ray.get_actor(f"traj:{tid}", namespace="tether")
+    pid = (await handle.status.remote())["pid"]
+    assert mapped_signature_code(pid) == [], f"traj:{tid} (pid {pid}) mapped the signature code"
+
+    # And (the control) the same actor, handed one signed message directly with no verdict, verifies it
+    # itself: the library is mapped now, so the judge above can fail
+    direct = plane.client.build(tid, ControlAction.INTERRUPT, issuer="alice", payload={"message": "b"})
+    assert await handle.deliver.remote(encode_message(direct)) == "recorded"
+    assert mapped_signature_code(pid) != []
 
 
 async def test_an_unsigned_message_to_a_hibernated_trajectory_creates_no_actor(plane: Plane) -> None:

@@ -5,7 +5,9 @@ A tampered copy of a message and the genuine one arriving together (two deliveri
 redelivery racing the first, or a copy injected on the stream) must not cost the genuine message: the copy is
 refused and audited, the genuine one recorded. The control is the delivery order this replaced (dedupe by
 message id first, verify afterwards): the genuine message is then answered with the copy's refusal, acked by
-the relay, and lost.
+the relay, and lost. The same holds when the relay's verdict comes with each message (the actor then
+verifies nothing itself), and the verdict spares none of the trajectory's own checks (addressed to it,
+duplicate, replayed nonce).
 
 The actor object runs here rather than in a Ray worker so the control can swap its ``deliver``; Ray is up
 only because the actor's metrics use Ray's backend.
@@ -23,14 +25,22 @@ from typing import Any
 import pytest
 
 from actors.launch import CheckLaunch, ProviderLaunch, TrajectoryLaunch
-from actors.ports import MALFORMED
+from actors.ports import (
+    MALFORMED,
+    ControlEnvelope,
+    ControlVerdict,
+    VerifiedControl,
+    read_verdict,
+    refused_verdict,
+    verified_verdict,
+)
 from actors.trajectory import TrajectoryActor
-from cluster.adapters import ClusterAdapters
+from cluster.adapters import ClusterAdapters, envelope_of
 from cluster.control import ControlAction, ControlMessage, encode_message
 from cluster.log_store import RedisLogStore
 from cluster.signing import Role, create_key, load_private_key, sign
 from runtime.codec import decode
-from runtime.errors import CodecError
+from runtime.errors import CodecError, ControlError
 from runtime.events import ControlRejected, ControlRequested
 from testbed.provider.config import ProviderConfig
 from testbed.provider.launch import ProviderThread, start_provider_thread
@@ -41,11 +51,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 class DedupeFirst(TrajectoryActor):
     """Protection off: the order ``deliver`` had before issue 16 (dedupe by id, then verify)."""
 
-    async def deliver(self, message: bytes) -> str:
+    async def deliver(
+        self, message: bytes, received_at: float | None = None, verdict: ControlVerdict | None = None
+    ) -> str:
         harness = await self._started()
-        verifier = self._control_verifier()
         try:
-            msg = verifier.decode(message)
+            msg = self._adapters.decode_control(message)
         except CodecError:
             return f"rejected:{MALFORMED}"
         if msg.message_id in harness.record.seen_control_ids:
@@ -58,7 +69,7 @@ class DedupeFirst(TrajectoryActor):
         self._inflight[msg.message_id] = future
         try:
             await self._client().sismember(self._nonce_key, msg.nonce)  # the old code's first await
-            answer = await super().deliver(message)
+            answer = await super().deliver(message, received_at, verdict)
         finally:
             del self._inflight[msg.message_id]
         future.set_result(answer)
@@ -163,6 +174,130 @@ async def test_a_tampered_copy_in_flight_with_the_genuine_message_does_not_cost_
     # and delivering the genuine message again is a duplicate, the copy again a refusal
     assert await actor.deliver(encode_message(genuine)) == "duplicate"
     assert await actor.deliver(encode_message(tampered)) == "rejected:BAD_SIGNATURE"
+
+
+def relay_verdict(keyring: Path, message: ControlMessage, when: float) -> ControlVerdict:
+    """What a relay (``actors.relay.TrajectoryTargets``) hands the actor with ``message`` read at ``when``."""
+    verifier = ClusterAdapters().control_verifier(str(keyring))
+    try:
+        return verified_verdict(verifier.verify(envelope_of(message), when, lambda _m, _n: False))
+    except ControlError as e:
+        return refused_verdict(e.reason, str(e))
+
+
+async def test_a_tampered_copy_with_the_relays_refusal_does_not_cost_the_genuine_message(
+    actor: TrajectoryActor, keyring: Path, redis_url: str
+) -> None:
+    # Given an operator's signed interrupt and a tampered copy of it, each with the relay's verdict
+    tid = actor.launch.trajectory_id
+    key = load_private_key("alice", keyring)
+    m = ControlMessage.create(
+        tid, ControlAction.INTERRUPT, "alice", now=time.time(), payload={"message": "hi"}
+    )
+    genuine = sign(m, "alice", key)
+    tampered = genuine.model_copy(update={"payload": {"message": "exfiltrate"}})
+    now = time.time()
+    refused, verified = relay_verdict(keyring, tampered, now), relay_verdict(keyring, genuine, now)
+    assert (refused[:2], verified[0]) == (("refused", "BAD_SIGNATURE"), "verified")
+
+    # When both are delivered at the same moment, the copy first
+    answers = list(
+        await asyncio.gather(
+            actor.deliver(encode_message(tampered), now, refused),
+            actor.deliver(encode_message(genuine), now, verified),
+        )
+    )
+
+    # Then the copy is audited as an unverified refusal and the genuine one recorded, once; the actor
+    # verified neither itself
+    events = await _events(redis_url, tid)
+    requested = [(e.message_id, e.payload.get("message")) for e in events if isinstance(e, ControlRequested)]
+    if type(actor) is DedupeFirst:
+        # control: the genuine delivery waited on the copy's and got its refusal; nothing was recorded
+        assert answers == ["rejected:BAD_SIGNATURE", "rejected:BAD_SIGNATURE"] and requested == []
+        return
+    assert answers == ["rejected:BAD_SIGNATURE", "recorded"]
+    assert requested == [(genuine.message_id, "hi")]
+    rejected = [(e.message_id, e.reason, e.verified) for e in events if isinstance(e, ControlRejected)]
+    assert rejected == [(genuine.message_id, "BAD_SIGNATURE", False)]
+    assert actor._verifier is None
+    assert await actor.deliver(encode_message(genuine), now, verified) == "duplicate"
+
+
+async def test_the_relays_verdict_spares_none_of_the_trajectorys_own_checks(
+    redis_url: str, keyring: Path, provider: ProviderThread
+) -> None:
+    # Given a live trajectory, and messages the relay verified
+    a = _actor(TrajectoryActor, redis_url, keyring, provider)
+    tid = a.launch.trajectory_id
+    key = load_private_key("alice", keyring)
+
+    def relayed(m: ControlMessage) -> tuple[bytes, float, ControlVerdict]:
+        now = time.time()
+        message = sign(m, "alice", key)
+        return encode_message(message), now, relay_verdict(keyring, message, now)
+
+    first = ControlMessage.create(tid, ControlAction.INTERRUPT, "alice", now=time.time())
+    reuses_nonce = ControlMessage.create(tid, ControlAction.INTERRUPT, "alice", now=time.time())
+    reuses_nonce = reuses_nonce.model_copy(update={"nonce": first.nonce})
+    elsewhere = ControlMessage.create("t-someone-else", ControlAction.KILL, "alice", now=time.time())
+    try:
+        # When each is delivered with its verdict
+        answers = [
+            await a.deliver(*relayed(first)),
+            await a.deliver(*relayed(first)),
+            await a.deliver(*relayed(reuses_nonce)),
+            await a.deliver(*relayed(elsewhere)),
+        ]
+        # Then the trajectory still judges what only it can: a duplicate by id, a replay by nonce, a message
+        # addressed to another trajectory; and it never made a verifier of its own
+        assert answers == ["recorded", "duplicate", "rejected:REPLAYED", "rejected:WRONG_TRAJECTORY"]
+        recorded = [e.message_id for e in await _events(redis_url, tid) if isinstance(e, ControlRequested)]
+        assert recorded == [first.message_id]
+        assert a._verifier is None
+
+        # And without a verdict (a caller other than a relay) it verifies for itself, as before
+        unsigned = ControlMessage.create(tid, ControlAction.KILL, "alice", now=time.time())
+        assert await a.deliver(encode_message(unsigned)) == "rejected:UNSIGNED"
+        assert a._verifier is not None
+    finally:
+        await _close(a)
+
+
+class TakesAnyVerdict(TrajectoryActor):
+    """Protection off: the relay's verdict taken however long ago the relay read the message."""
+
+    def _judge(
+        self, msg: ControlEnvelope, received_at: float | None, verdict: ControlVerdict | None
+    ) -> VerifiedControl | tuple[str, str]:
+        return super()._judge(msg, None, verdict) if verdict is None else read_verdict(msg, verdict)
+
+
+@pytest.mark.parametrize("kind", [TrajectoryActor, TakesAnyVerdict], ids=["bounded", "protection-off"])
+async def test_a_verdict_on_a_receipt_older_than_a_day_is_checked_again(
+    redis_url: str, keyring: Path, provider: ProviderThread, kind: type[TrajectoryActor]
+) -> None:
+    # Given an interrupt issued three days ago, valid for a day, that a relay read (and verified) two days
+    # ago: a window this actor judges at most a day back, where the message has expired
+    a = _actor(kind, redis_url, keyring, provider)
+    tid = a.launch.trajectory_id
+    issued = time.time() - 3 * 86_400.0
+    m = ControlMessage.create(tid, ControlAction.INTERRUPT, "alice", now=issued, ttl_s=86_400.0)
+    message = sign(m, "alice", load_private_key("alice", keyring))
+    read_at = issued + 86_400.0 - 60.0
+    verdict = relay_verdict(keyring, message, read_at)
+    assert verdict[0] == "verified"
+    try:
+        # When it is delivered with that verdict
+        answer = await a.deliver(encode_message(message), read_at, verdict)
+        # Then the actor verifies it itself, at a day back, and refuses it (control: recorded)
+        if kind is TakesAnyVerdict:
+            assert answer == "recorded"
+            return
+        assert answer == "rejected:EXPIRED"
+        assert not [e for e in await _events(redis_url, tid) if isinstance(e, ControlRequested)]
+    finally:
+        await _close(a)
 
 
 async def _events(url: str, tid: str) -> list[Any]:

@@ -3,8 +3,9 @@
 A trajectory actor's worker imports ``actors.trajectory`` and unpickles ``cluster.adapters.ClusterAdapters``
 (its constructor argument). Neither may load the provider SDK (the node's model client actor holds it,
 ``actors.model_client``), gRPC (loaded only when the launch routes a tool to a gRPC service) or Ed25519
-verification (loaded on the first control message the process verifies): together about 37 MB RSS of every
-live trajectory (``benchmarks/node_capacity.py``'s import ladder).
+verification (loaded only when the process verifies a control message itself: one a relay delivers comes
+with the relay's verdict, and decoding it needs no signature code): together about 37 MB RSS of every live
+trajectory (``benchmarks/node_capacity.py``'s import ladder).
 
 Checked in a fresh interpreter, since this test process has imported everything already.
 """
@@ -47,3 +48,32 @@ def test_the_in_process_adapter_and_the_grpc_port_still_load_them_when_asked() -
     )
     loaded = loaded_by("actors.model_openai", "actors.tools_grpc", "cluster.signing", then=first_call)
     assert [m for m in NOT_LOADED if m not in loaded] == []
+
+
+# a control message as a trajectory actor receives it (bytes), decoded the way it decodes one
+_DECODE = (
+    "from cluster.adapters import ClusterAdapters\n"
+    "from cluster.control import ControlMessage, encode_message\n"
+    "data = encode_message(ControlMessage.create('t-1', 'kill', 'alice', now=1.7e9))\n"
+    "envelope = ClusterAdapters().decode_control(data)\n"
+    "assert envelope.action == 'kill'\n"
+)
+
+
+def test_decoding_a_control_message_that_comes_with_a_verdict_loads_no_signature_code() -> None:
+    loaded = loaded_by("actors.trajectory", "cluster.adapters", then=_DECODE)
+    assert [m for m in NOT_LOADED if m in loaded] == []
+
+
+def test_verifying_one_without_a_verdict_still_loads_it() -> None:
+    # the control: the same message verified here (a caller that passed no verdict) loads the signature code
+    verify = (
+        "from runtime.errors import ControlError\n"
+        "try:\n"
+        "    ClusterAdapters().control_verifier('/nonexistent/keyring.yaml').verify("
+        "envelope, 1.7e9, lambda _m, _n: False)\n"
+        "except ControlError:\n"
+        "    pass\n"
+    )
+    loaded = loaded_by("actors.trajectory", "cluster.adapters", then=_DECODE + verify)
+    assert "cluster.signing" in loaded and "cryptography.hazmat.primitives.asymmetric.ed25519" in loaded

@@ -19,6 +19,7 @@ from cluster.adapters import ClusterAdapters, envelope_of
 from cluster.control import ControlAction, ControlMessage
 from cluster.signing import Role, create_key, load_private_key, sign
 from runtime.clock import FakeClock
+from runtime.errors import ControlError
 from tests.unit.control_plane.fakes import FakeRuntime, Launches
 
 
@@ -119,6 +120,67 @@ async def test_a_message_that_does_not_verify_reaches_only_a_live_incarnation(
     assert to_asleep.startswith(f"rejected:{how}:") and runtime.created == []
 
 
+class VerdictFree(TrajectoryTargets):
+    """Protection off: the relay as it was before it passed its verdict on (it verified, then handed the
+    actor the bare message, which the actor had to verify again)."""
+
+    async def deliver(self, envelope: ControlEnvelope, received_at: float | None = None) -> str:
+        when = self.clock.wall() if received_at is None else received_at
+        launch = await self.store.launch(envelope.trajectory_id)
+        assert launch is not None
+        try:
+            self._verifier(launch.keyring_path).verify(envelope, when, lambda _id, _nonce: False)
+            verified = True
+        except ControlError:
+            verified = False
+        tid = envelope.trajectory_id
+        reached = await self.incarnations.call(tid, "deliver", envelope.data, when, wake=verified)
+        return str(reached.value)
+
+
+@pytest.mark.parametrize("kind", [TrajectoryTargets, VerdictFree], ids=["verdict", "protection-off"])
+async def test_the_relay_hands_its_verdict_to_a_live_incarnation(
+    keyring: Path, kind: type[TrajectoryTargets]
+) -> None:
+    # Given a live trajectory, and a keyring where alice is an operator
+    targets, runtime, launches = setup(keyring, kind)
+    launches.add("t-live")
+    live = await runtime.create({"id": "t-live"})
+    good = signed(keyring, "t-live", ControlAction.KILL)
+    forged = signed(keyring, "t-live", ControlAction.KILL).model_copy(update={"reason": "edited"})
+
+    # When the relay delivers a genuine kill and a forged one (edited after signing)
+    await targets.deliver(envelope_of(good))
+    await targets.deliver(envelope_of(forged))
+
+    # Then the actor got each message's bytes with the relay's verdict in plain values: who signed the good
+    # one with their roles, and the verifier's reason for refusing the forgery (control: no verdict, so the
+    # actor would verify each message again)
+    verdicts = [args[2] if len(args) > 2 else None for _, args in live.calls]
+    if kind is VerdictFree:
+        assert verdicts == [None, None]
+        return
+    verified, refused = verdicts
+    assert refused is not None
+    assert verified == ("verified", ("alice",), {"alice": ("operator",)})
+    assert refused[:2] == ("refused", "BAD_SIGNATURE") and "does not verify" in refused[2]
+    assert [args[0] for _, args in live.calls] == [message_bytes(good), message_bytes(forged)]
+    assert runtime.created == [live]
+
+
+async def test_without_a_launch_the_relay_gives_a_live_incarnation_no_verdict(keyring: Path) -> None:
+    # Given a live actor whose trajectory has no launch record (so no keyring the relay could judge by)
+    targets, runtime, _ = setup(keyring)
+    live = await runtime.create({"id": "t-orphan"})
+
+    # When a message for it arrives
+    await targets.deliver(envelope_of(signed(keyring, "t-orphan")))
+
+    # Then it is handed on with no verdict: the actor verifies it for itself
+    [(method, args)] = live.calls
+    assert method == "deliver" and args[2:] == (None,)
+
+
 async def test_a_verified_message_wakes_a_hibernated_trajectory(keyring: Path) -> None:
     targets, runtime, launches = setup(keyring)
     launches.add("t-1")
@@ -185,7 +247,10 @@ async def test_a_message_read_in_its_window_does_not_expire_waiting_for_a_slot(
         assert answer.startswith("rejected:EXPIRED") and runtime.created == []
         return
     assert answer == "recorded" and runtime.created[0].calls == [
-        ("deliver", (message_bytes(message), issued + 10.0))
+        (
+            "deliver",
+            (message_bytes(message), issued + 10.0, ("verified", ("alice",), {"alice": ("operator",)})),
+        )
     ]
 
 
