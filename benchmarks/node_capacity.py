@@ -89,12 +89,12 @@ IMPORT_LADDER = (
     # these rows are ~0: listed so the ladder names everything a trajectory has loaded.
     "pydantic.v1.fields",
     "starlette.datastructures",
-    # the control verifier, made ready once the trajectory has started (``_warm_control``)
-    "cryptography.hazmat.primitives.asymmetric.ed25519",
-    "cluster.signing",
 )
 # What a trajectory actor does not load (issue 14), imported after it: each delta is what it would cost.
 NOT_IN_TRAJECTORY = (
+    # the control verifier: the relay verifies and hands its verdict to the actor (docs/control.md)
+    "cryptography.hazmat.primitives.asymmetric.ed25519",
+    "cluster.signing",
     "grpc",
     "actors.tools_grpc",
     "openai",
