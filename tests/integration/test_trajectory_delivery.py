@@ -161,19 +161,29 @@ async def test_a_tampered_copy_in_flight_with_the_genuine_message_does_not_cost_
     )
 
     # Then the copy is refused as BAD_SIGNATURE and the genuine one recorded, once
-    events = await _events(redis_url, tid)
-    requested = [(e.message_id, e.payload.get("message")) for e in events if isinstance(e, ControlRequested)]
-    if type(actor) is DedupeFirst:
-        # control: the genuine delivery waited on the copy's and got its refusal; nothing was recorded
-        assert answers == ["rejected:BAD_SIGNATURE", "rejected:BAD_SIGNATURE"] and requested == []
+    if not await _copy_refused_genuine_recorded(actor, redis_url, list(answers), genuine.message_id):
         return
-    assert answers == ["rejected:BAD_SIGNATURE", "recorded"]
-    assert requested == [(genuine.message_id, "hi")]
-    rejected = [(e.message_id, e.reason, e.verified) for e in events if isinstance(e, ControlRejected)]
-    assert rejected == [(genuine.message_id, "BAD_SIGNATURE", False)]
     # and delivering the genuine message again is a duplicate, the copy again a refusal
     assert await actor.deliver(encode_message(genuine)) == "duplicate"
     assert await actor.deliver(encode_message(tampered)) == "rejected:BAD_SIGNATURE"
+
+
+async def _copy_refused_genuine_recorded(
+    actor: TrajectoryActor, redis_url: str, answers: list[str], genuine_id: str
+) -> bool:
+    """The judge of a tampered copy delivered first, beside the genuine message: the copy refused as
+    BAD_SIGNATURE (audited unverified, so it took no id) and the genuine one recorded once. False for the
+    dedupe-first control, whose genuine delivery waited on the copy's and got its refusal."""
+    events = await _events(redis_url, actor.launch.trajectory_id)
+    requested = [(e.message_id, e.payload.get("message")) for e in events if isinstance(e, ControlRequested)]
+    if type(actor) is DedupeFirst:
+        assert answers == ["rejected:BAD_SIGNATURE", "rejected:BAD_SIGNATURE"] and requested == []
+        return False
+    assert answers == ["rejected:BAD_SIGNATURE", "recorded"]
+    assert requested == [(genuine_id, "hi")]
+    rejected = [(e.message_id, e.reason, e.verified) for e in events if isinstance(e, ControlRejected)]
+    assert rejected == [(genuine_id, "BAD_SIGNATURE", False)]
+    return True
 
 
 def relay_verdict(keyring: Path, message: ControlMessage, when: float) -> ControlVerdict:
@@ -210,16 +220,8 @@ async def test_a_tampered_copy_with_the_relays_refusal_does_not_cost_the_genuine
 
     # Then the copy is audited as an unverified refusal and the genuine one recorded, once; the actor
     # verified neither itself
-    events = await _events(redis_url, tid)
-    requested = [(e.message_id, e.payload.get("message")) for e in events if isinstance(e, ControlRequested)]
-    if type(actor) is DedupeFirst:
-        # control: the genuine delivery waited on the copy's and got its refusal; nothing was recorded
-        assert answers == ["rejected:BAD_SIGNATURE", "rejected:BAD_SIGNATURE"] and requested == []
+    if not await _copy_refused_genuine_recorded(actor, redis_url, answers, genuine.message_id):
         return
-    assert answers == ["rejected:BAD_SIGNATURE", "recorded"]
-    assert requested == [(genuine.message_id, "hi")]
-    rejected = [(e.message_id, e.reason, e.verified) for e in events if isinstance(e, ControlRejected)]
-    assert rejected == [(genuine.message_id, "BAD_SIGNATURE", False)]
     assert actor._verifier is None
     assert await actor.deliver(encode_message(genuine), now, verified) == "duplicate"
 
