@@ -424,9 +424,11 @@ def make_limiter(config: ProviderConfig, clock: Clock) -> RateLimiter:
 
 
 def _retry_after_headers(seconds: float) -> dict[str, str]:
+    # Rounded to the microsecond before the ceiling: a wait of exactly 60 s computed from clock readings
+    # (60.00000000000001) is still "60" and "60000", as the message's "60.000s" says.
     return {
-        "Retry-After": str(max(1, math.ceil(seconds))),
-        "retry-after-ms": str(max(1, math.ceil(seconds * 1000))),
+        "Retry-After": str(max(1, math.ceil(round(seconds, 6)))),
+        "retry-after-ms": str(max(1, math.ceil(round(seconds * 1000, 3)))),
     }
 
 

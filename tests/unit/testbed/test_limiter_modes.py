@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from runtime.clock import FakeClock
 from testbed.provider.config import ProviderConfig
 from testbed.provider.limits import Admitted, LimitDimension, LimiterMode, RateLimiter, Rejected
-from testbed.provider.server import make_limiter
+from testbed.provider.server import _retry_after_headers, make_limiter
 from testbed.provider.sliding_window import SlidingWindowLimiter
 from testbed.provider.token_bucket import TokenBucketLimiter
 
@@ -278,3 +278,15 @@ def test_a_refused_request_fits_after_retry_after_with_its_own_refusal_counted(
             # When nothing else arrives for retry_after seconds / Then the same request fits
             clock.advance(decision.retry_after_s)
             assert isinstance(lim.try_admit(charge, rejected_tokens=charge // 2), Admitted)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "whole", "millis"),
+    [(60.00000000000001, "60", "60000"), (60.0004, "61", "60001"), (0.007, "1", "7"), (0.0, "1", "1")],
+)
+def test_retry_after_headers_round_up_the_wait_but_not_its_float_noise(
+    seconds: float, whole: str, millis: str
+) -> None:
+    # Given a wait computed from clock readings / Then the headers round it up, ignoring sub-microsecond noise
+    headers = _retry_after_headers(seconds)
+    assert (headers["Retry-After"], headers["retry-after-ms"]) == (whole, millis)
