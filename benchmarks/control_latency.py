@@ -74,7 +74,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -294,11 +294,12 @@ def group_alive(pgid: int) -> bool:
 
 
 async def kill_paced(
-    fleet: Fleet, tids: list[str], groups: dict[str, int]
+    fleet: Fleet, tids: list[str], groups: dict[str, int], known: dict[int, set[int]] | None = None
 ) -> tuple[list[float], list[float], list[dict[str, Any]]]:
     """One kill at a time: ms until the sandbox group is gone, ms from the kill entry to the terminal
     state entry in the log, and each kill's hops (``_HOPS``: ms from just before the publication, the
-    server's stream ids read against this process's wall clock, the same clock on one machine)."""
+    server's stream ids read against this process's wall clock, the same clock on one machine). ``known``
+    (from ``launch_fleet``) keeps a slow kill's looks to its own group's processes."""
     gone: list[float] = []
     terminal: list[float] = []
     hops: list[dict[str, Any]] = []
@@ -318,7 +319,8 @@ async def kill_paced(
             waited_ms = (time.perf_counter() - t0) * 1000.0
             if looks and waited_ms >= looks[0]:
                 looks.pop(0)  # a slow kill: what the group's processes are doing (one /proc scan)
-                members_at.append({"after_ms": round(waited_ms), "members": group_members(pgid)})
+                members = group_members(pgid, (known or {}).get(pgid))
+                members_at.append({"after_ms": round(waited_ms), "members": members})
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"{tid}: process group {pgid} survived the kill")
             await asyncio.sleep(0.001)
@@ -355,23 +357,60 @@ async def kill_paced(
 _LOOK_AT_MS = (300.0, 1000.0, 2000.0)
 
 
-def group_members(pgid: int) -> list[str]:
+def group_pids(pgids: Iterable[int]) -> dict[int, set[int]]:
+    """The processes of each group in ``pgids``, from one scan of ``/proc`` (run once a batch has started,
+    before any kill is timed)."""
+    wanted = set(pgids)
+    found: dict[int, set[int]] = {pgid: set() for pgid in wanted}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[2] in wanted:
+                found[stat[2]].add(int(entry))
+    return found
+
+
+def group_members(pgid: int, known: Iterable[int] | None = None) -> list[str]:
     """Each live process of group ``pgid`` as ``"<state> <where>"``: its state letter from
     ``/proc/<pid>/stat`` (R running, S sleeping, D uninterruptible, Z exited and not yet reaped) and where
-    the kernel has it waiting (``wchan``, or the first frame of ``/proc/<pid>/stack`` where readable)."""
+    the kernel has it waiting (``wchan``, or the first frame of ``/proc/<pid>/stack`` where readable).
+
+    With ``known`` (the group's processes from ``group_pids``) only those and their descendants are read: a
+    few files, where a scan of every process's took up to a second of a loaded machine's time, during which
+    the kill being timed went unobserved. Without it, every process is scanned."""
+    if known is None:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    else:
+        pids, queue = [], list(known)
+        while queue:
+            pid = queue.pop()
+            if pid not in pids:
+                pids.append(pid)
+                queue += _children(pid)
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # after the comm: state, ppid, pgrp
-                continue
-            found.append(f"{fields[0]} {_waiting_in(int(entry))}".rstrip())
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is not None and stat[2] == pgid:
+            found.append(f"{stat[0]} {_waiting_in(pid)}".rstrip())
     return sorted(found)
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """State, parent and process group of ``pid``, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold anything
+        return fields[0], int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _waiting_in(pid: int) -> str:
@@ -516,8 +555,15 @@ async def hibernated_bytes(fleet: Fleet, h: int) -> dict[str, Any]:
     }
 
 
-async def launch_fleet(fleet: Fleet, n: int, groups: dict[str, int], workspaces: Path) -> list[str]:
-    """N live trajectories, each waiting on its sandboxed command; returns their ids."""
+async def launch_fleet(
+    fleet: Fleet,
+    n: int,
+    groups: dict[str, int],
+    workspaces: Path,
+    known: dict[int, set[int]] | None = None,
+) -> list[str]:
+    """N live trajectories, each waiting on its sandboxed command; returns their ids. Fills ``groups`` and,
+    if given, ``known`` with each group's processes (``group_pids``)."""
     tids: list[str] = []
     # In batches: a hundred Ray workers importing at once starve this 2-core machine (and its Redis)
     for start in range(0, n, LAUNCH_BATCH):
@@ -525,6 +571,8 @@ async def launch_fleet(fleet: Fleet, n: int, groups: dict[str, int], workspaces:
         tids += batch
         await fleet.wait_status(batch, lambda s: s.state == "WAITING_TOOL", "WAITING_TOOL")
         await sandbox_groups(batch, groups)
+        if known is not None:
+            known.update(group_pids(groups[tid] for tid in batch))
     for tid in tids:
         await fleet.new_log_entries(tid)  # move the cursors past everything so far
     return tids
@@ -573,7 +621,8 @@ async def run(
         for k in range(kill_rounds):
             # Each kill round starts from a fleet of N live trajectories (a new one: the last was killed)
             t0 = time.perf_counter()
-            tids = await launch_fleet(fleet, n, groups, workdir / "workspaces")
+            known: dict[int, set[int]] = {}
+            tids = await launch_fleet(fleet, n, groups, workdir / "workspaces", known)
             startup.append(round(time.perf_counter() - t0, 1))
             if k == 0:
                 record = await record_paced(fleet, tids, rounds)
@@ -583,7 +632,7 @@ async def run(
             half = len(tids) // 2
             load_before_kills.append(round(os.getloadavg()[0], 2))
             kills_began = int(time.time())
-            paced, paced_terminal, paced_hops = await kill_paced(fleet, tids[:half], groups)
+            paced, paced_terminal, paced_hops = await kill_paced(fleet, tids[:half], groups, known)
             burst, burst_terminal = await kill_all(fleet, tids[half:], groups)
             fsync_stalls.append(await slow_fsyncs(fleet, since=kills_began))
             for tid in tids:

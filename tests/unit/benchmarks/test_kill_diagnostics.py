@@ -8,7 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from benchmarks.control_latency import damon_paused, group_members, slow_kill_states
+from benchmarks.control_latency import damon_paused, group_members, group_pids, slow_kill_states
 
 
 def test_a_group_is_listed_with_each_members_state_until_it_is_reaped() -> None:
@@ -29,6 +29,32 @@ def test_a_group_is_listed_with_each_members_state_until_it_is_reaped() -> None:
     # When the shell is reaped, only its orphan (reparented, maybe not yet reaped) can remain
     assert all(m.split()[0] in ("Z", "D", "R") for m in group_members(proc.pid))
     assert group_members(2**22 + 7) == []  # a group nobody is in
+
+
+def test_a_look_from_the_known_processes_finds_the_same_group_as_a_full_scan() -> None:
+    # Given a group whose shell starts its child after the group's processes were listed
+    proc = subprocess.Popen(
+        ["sh", "-c", "read line; sleep 30 & wait"], start_new_session=True, stdin=subprocess.PIPE
+    )
+    try:
+        known = group_pids([proc.pid, 2**22 + 7])
+        assert known == {proc.pid: {proc.pid}, 2**22 + 7: set()}
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        full: list[str] = []
+        for _ in range(200):
+            full = group_members(proc.pid)
+            if len(full) == 2:
+                break
+            os.sched_yield()
+        # When the look starts from the known processes / Then it finds the later child too (a descendant)
+        assert len(full) == 2 and group_members(proc.pid, known[proc.pid]) == full
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # and, once the shell is reaped, nothing is reached from it
+    assert group_members(proc.pid, known[proc.pid]) == []
 
 
 def test_slow_kill_states_count_what_the_waiting_kills_showed() -> None:
