@@ -29,6 +29,10 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   ``--damon-off`` (root; with ``--out``, never the headline) stops the kernel's DAMON monitors for the run
   and starts them again after it: the platform's proactive-reclaim monitor held dying sandbox processes in
   ``unlink_file_vma_batch_process`` for seconds (docs/perf/capacity.md, "Kill latency: the kernel's exit").
+- ``kill_rounds[].page_cache``: per kill round, how much the kernel's page-cache counters grew while its
+  kills ran (``/proc/vmstat``): file pages read back after an eviction (``workingset_refault_file``), major
+  faults, KiB read from disk; with DAMON's pageout scheme on, idle trajectories' library pages are evicted
+  and read back when a kill wakes them.
 - ``redis_fsync_stalls``: per kill round, the seconds in which Redis's own latency monitor saw an AOF fsync of
   100 ms or more while the kills ran (with ``appendfsync always`` the server's thread waits for the disk,
   and every client's command with it: the kill's XADD, the relay's read), and the slowest; with the AOF's
@@ -632,9 +636,11 @@ async def run(
             half = len(tids) // 2
             load_before_kills.append(round(os.getloadavg()[0], 2))
             kills_began = int(time.time())
+            vm_before = vmstat()
             paced, paced_terminal, paced_hops = await kill_paced(fleet, tids[:half], groups, known)
             burst, burst_terminal = await kill_all(fleet, tids[half:], groups)
             fsync_stalls.append(await slow_fsyncs(fleet, since=kills_began))
+            refaults = vmstat_delta(vm_before, vmstat())
             for tid in tids:
                 groups.pop(tid, None)
             kills += paced
@@ -649,6 +655,7 @@ async def run(
                     "kills": len(paced),
                     "kill_hops": hop_summary(paced_hops),
                     "slow_kill_states": slow_kill_states(paced_hops),
+                    "page_cache": refaults,
                 }
             )
             print(
@@ -761,6 +768,24 @@ async def slow_fsyncs(fleet: Fleet, since: int) -> dict[str, Any]:
         "aof_mb": round(int(persistence.get("aof_current_size", 0)) / 1e6, 1),
         "aof_rewrites": int(persistence.get("aof_rewrites", 0)),
     }
+
+
+_VMSTAT = ("workingset_refault_file", "pgmajfault", "pgpgin")
+
+
+def vmstat(path: Path = Path("/proc/vmstat")) -> dict[str, int]:
+    """The kernel's page-cache counters a reclaim shows in: file pages read back after they were evicted
+    (``workingset_refault_file``), major faults, KiB read from disk (``pgpgin``). Empty where unreadable."""
+    try:
+        rows = (line.split() for line in path.read_text().splitlines())
+        return {name: int(value) for name, value in rows if name in _VMSTAT}
+    except (OSError, ValueError):
+        return {}
+
+
+def vmstat_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """How much each counter of ``vmstat`` grew between two readings (one missing from either is left out)."""
+    return {name: after[name] - before[name] for name in _VMSTAT if name in before and name in after}
 
 
 @contextlib.contextmanager

@@ -7,8 +7,16 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
-from benchmarks.control_latency import damon_paused, group_members, group_pids, slow_kill_states
+from benchmarks.control_latency import (
+    damon_paused,
+    group_members,
+    group_pids,
+    slow_kill_states,
+    vmstat,
+    vmstat_delta,
+)
 
 
 def test_a_group_is_listed_with_each_members_state_until_it_is_reaped() -> None:
@@ -58,7 +66,7 @@ def test_a_look_from_the_known_processes_finds_the_same_group_as_a_full_scan() -
 
 
 def test_slow_kill_states_count_what_the_waiting_kills_showed() -> None:
-    hops = [
+    hops: list[dict[str, Any]] = [
         {"gone": 250.0},  # fast: never looked at
         {
             "gone": 2900.0,
@@ -107,3 +115,21 @@ def test_damon_is_left_alone_without_the_diagnostic_even_when_the_run_fails(tmp_
     with damon_paused(True, tmp_path):
         pass
     assert (tmp_path / "0" / "state").read_text().strip() == "on"
+
+
+def test_page_cache_counters_are_read_by_name_and_their_growth_is_the_difference(tmp_path: Path) -> None:
+    # Given two readings of a vmstat file (other counters around the three that are read)
+    path = tmp_path / "vmstat"
+    path.write_text("nr_free_pages 10\nworkingset_refault_file 400\npgpgin 9000\npgmajfault 5\npgpgout 1\n")
+    before = vmstat(path)
+    path.write_text("nr_free_pages 3\nworkingset_refault_file 1400\npgpgin 9500\npgmajfault 5\npgpgout 9\n")
+    # Then only the three are kept, and the growth is per counter
+    assert before == {"workingset_refault_file": 400, "pgpgin": 9000, "pgmajfault": 5}
+    assert vmstat_delta(before, vmstat(path)) == {
+        "workingset_refault_file": 1000,
+        "pgmajfault": 0,
+        "pgpgin": 500,
+    }
+    # And an unreadable file gives no counters, so no growth, rather than an error in the middle of a run
+    assert vmstat(tmp_path / "missing") == {}
+    assert vmstat_delta(before, {}) == {}
