@@ -136,7 +136,9 @@ class Fleet:
         self.provider_url = provider_url
         self.keyring = keyring
         self.client = ControlClient.from_url(url, keyring=keyring, ttl_s=600.0)
-        self.redis = aioredis.Redis.from_url(url)
+        # the observer outwaits a stalled server (redis-py's default gives up after 5 s): a stall is what
+        # the run measures, not a reason to end it
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=120.0, socket_connect_timeout=10.0)
         self.cursors: dict[str, str] = {}
         self.runs: list[Any] = []
 
