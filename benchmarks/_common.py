@@ -13,8 +13,9 @@ Headline numbers are repeated (``--runs``, at least 3) and reported as ``{min, m
 On a virtual machine two things outside the benchmark move its numbers and are recorded with them: the share
 of CPU time the hypervisor gave to other guests while the calibration ran (``cpu_steal``: 20-30 % was seen
 here on an afternoon whose load average was below 2, and a Ray round trip then took twice as long), and the
-kernel's DAMON monitors (``environment()["damon"]``: the platform runs a ``kdamond`` whose walks of shared
-file mappings held a SIGKILLed process's exit for seconds under load, ``docs/perf/capacity.md``).
+kernel's DAMON monitors (``environment()["damon"]``: the platform runs a ``kdamond`` with a ``pageout``
+scheme, and with it on the kill p99 at 100 live trajectories was three times what it was with it off,
+``docs/perf/capacity.md``).
 """
 
 from __future__ import annotations

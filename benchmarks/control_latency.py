@@ -27,12 +27,13 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   its sandbox group's processes looked at once at each mark (state letter and the kernel function each
   waits in, ``group_members``); the counts over every kill, and each slow kill's looks in ``kill_hops``.
   ``--damon-off`` (root; with ``--out``, never the headline) stops the kernel's DAMON monitors for the run
-  and starts them again after it: the platform's proactive-reclaim monitor held dying sandbox processes in
+  and starts them again after it: with the platform's proactive-reclaim monitor on, Redis's AOF fsyncs
+  stalled ten times as often, the kill's XADD waited in them, and a few dying sandbox processes waited in
   ``unlink_file_vma_batch_process`` for seconds (docs/perf/capacity.md, "Kill latency: the kernel's exit").
 - ``kill_rounds[].page_cache``: per kill round, how much the kernel's page-cache counters grew while its
   kills ran (``/proc/vmstat``): file pages read back after an eviction (``workingset_refault_file``), major
-  faults, KiB read from disk; with DAMON's pageout scheme on, idle trajectories' library pages are evicted
-  and read back when a kill wakes them.
+  faults, KiB read from disk: whether pages that DAMON's pageout evicted are read back while the kills
+  run (at ``1154253`` a handful per round with it on, none with it off).
 - ``redis_fsync_stalls``: per kill round, the seconds in which Redis's own latency monitor saw an AOF fsync of
   100 ms or more while the kills ran (with ``appendfsync always`` the server's thread waits for the disk,
   and every client's command with it: the kill's XADD, the relay's read), and the slowest; with the AOF's
