@@ -597,7 +597,9 @@ class Interpreter:
             settle = self.ports.admission.settle_turn(effect.grant_id, effect.actual_tokens)
             await self._quietly(settle, effect)
         elif isinstance(effect, ReportLimits):
-            report = self.ports.admission.report_limits(effect.provider_key, effect.info, effect.rate_limited)
+            report = self.ports.admission.report_limits(
+                effect.provider_key, effect.info, effect.rate_limited, effect.grant_id
+            )
             await self._quietly(report, effect)
         elif isinstance(effect, ReleasePermit):
             await self._release(effect.guard, effect.sandbox, effect.outcome)

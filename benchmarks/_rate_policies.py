@@ -153,8 +153,10 @@ class TracedAdmission:
         self.trace.client_429s += self.trace.measuring
         await self.inner.report_rate_limited(provider_key, retry_after, remaining)
 
-    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
-        await self.inner.report_limits(provider_key, info, rate_limited)
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
+        await self.inner.report_limits(provider_key, info, rate_limited, grant_id)
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float

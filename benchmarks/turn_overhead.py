@@ -167,8 +167,10 @@ class TimedAdmission:
     async def report_rate_limited(self, provider_key: str, retry_after: float | None, remaining: Any) -> None:
         await self._timed(self.inner.report_rate_limited(provider_key, retry_after, remaining))
 
-    async def report_limits(self, provider_key: str, info: Any, rate_limited: bool) -> None:
-        await self._timed(self.inner.report_limits(provider_key, info, rate_limited))
+    async def report_limits(
+        self, provider_key: str, info: Any, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
+        await self._timed(self.inner.report_limits(provider_key, info, rate_limited, grant_id))
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float

@@ -591,6 +591,7 @@ class Services:
                 "limit_requests": lane.limit_requests,
                 "limit_tokens": lane.limit_tokens,
                 "limit_sources": dict(lane.limit_sources),
+                "delay_margin_s": round(lane.delay_margin_s, 3),
             }
             for key, lane in snapshot.lanes.items()
         }

@@ -398,7 +398,7 @@ def on_model_replied(step: Step, inp: ModelReplied) -> None:
     reply = inp.reply
     step.do(SettleAdmission(inp.grant_id, reply.usage.total))
     if reply.rate_limit is not None and not reply.rate_limit.empty:
-        step.do(ReportLimits(step.policy.provider_key, reply.rate_limit, False))
+        step.do(ReportLimits(step.policy.provider_key, reply.rate_limit, False, inp.grant_id))
     cost = step.policy.prices.cost(reply.usage)
     step.emit(ModelCallSettled(reply.stop_reason, reply.usage, cost, usage_estimated=reply.usage_estimated))
     _after_reply(step, reply)
@@ -439,7 +439,7 @@ def on_model_failed(step: Step, inp: ModelFailed) -> None:
     step.do(SettleAdmission(inp.grant_id, usage.total))
     if inp.rate_limited or (inp.rate_limit is not None and not inp.rate_limit.empty):
         info = inp.rate_limit or RateLimitInfo(retry_after_s=inp.retry_after)
-        step.do(ReportLimits(step.policy.provider_key, info, inp.rate_limited))
+        step.do(ReportLimits(step.policy.provider_key, info, inp.rate_limited, inp.grant_id))
     cost = step.policy.prices.cost(usage)
     step.emit(ModelCallFailed(inp.error, inp.retryable, usage, cost, rate_limited=inp.rate_limited))
     if inp.rate_limited:

@@ -101,6 +101,7 @@ class ReportLimits:
     provider_key: str
     info: RateLimitInfo
     rate_limited: bool
+    grant_id: str | None = None  # the answered call's grant: dates a 429 against its admission
 
 
 @dataclass(frozen=True, slots=True)

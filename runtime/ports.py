@@ -310,9 +310,12 @@ class AdmissionPort(Protocol):
         self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
     ) -> None: ...
 
-    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
         """Admission feedback from one provider response: a 429 (``rate_limited``) and/or the limits its
-        headers stated. The scheduler learns the real limit from them (a configured limit may be wrong)."""
+        headers stated. The scheduler learns the real limit from them (a configured limit may be wrong).
+        ``grant_id``: the answered call's grant, so a 429 also tells how late our requests arrive."""
         ...
 
     async def acquire_sandbox(

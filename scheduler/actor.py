@@ -204,8 +204,10 @@ class _SchedulerActorBody:
         return await _outcome_of(self._scheduler.report_remaining(provider_key, remaining))
 
     @ray.method(concurrency_group=_CONTROL)
-    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> _Outcome:
-        return await _outcome_of(self._scheduler.report_limits(provider_key, info, rate_limited))
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> _Outcome:
+        return await _outcome_of(self._scheduler.report_limits(provider_key, info, rate_limited, grant_id))
 
     @ray.method(concurrency_group=_CONTROL)
     async def snapshot(self) -> SchedulerSnapshot:
@@ -406,9 +408,11 @@ class SchedulerHandle:
     async def report_remaining(self, provider_key: str, remaining: Mapping[str, float]) -> None:
         await self._call("report_remaining", provider_key, dict(remaining))
 
-    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
         """Admission feedback from one provider response (a 429 and/or its limit headers)."""
-        await self._call("report_limits", provider_key, info, rate_limited)
+        await self._call("report_limits", provider_key, info, rate_limited, grant_id)
 
     async def acquire_sandbox(
         self, trajectory_id: str, pool: str, priority_class: str, deadline: float

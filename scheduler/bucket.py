@@ -98,6 +98,13 @@ class ProviderLimiter:
     - ``x-ratelimit-remaining-*``: clamps the local levels to the provider's, less our headroom; a count
       at zero with a reset blocks the key until the reset.
     - While no 429 arrives, the rate recovers additively, never above the learned limit.
+    - Our ledgers date a request when it is admitted, the provider when it arrives. When the time between
+      the two varies by more than the headroom covers (a loaded gateway, a starved worker), requests
+      admitted more than a window apart arrive within one window of the provider's. So a 429 reported with
+      its call's admission time (``admitted_at``) also teaches that delay: the ledgers' window grows by the
+      longest such delay of the last ``delay_memory_s`` (at most half a window), and the limit inferred
+      from a 429 counts our admissions and rejections over that longer window too, so requests that
+      arrived late are not taken for a smaller limit.
 
     The refill over an interval uses the rate at the interval's start; the rate only grows between
     429s, so this under-refills slightly and never admits above the configured rate.
@@ -129,6 +136,12 @@ class ProviderLimiter:
         self.learned_requests = LearnedLimit(limits.requests_per_minute)
         self.learned_tokens = LearnedLimit(limits.tokens_per_minute)
         self._rejections: deque[float] = deque()  # when 429s arrived, for the inference
+        # admission-to-report delays of 429s (when reported, seconds), and the margin they add to the windows
+        self._delays: deque[tuple[float, float]] = deque()
+        self.delay_margin_s = 0.0
+        # request admissions (when, how many), for the inference's lookback beyond the ledger's window;
+        # a lease is dated when its requests may last be used
+        self._admissions: deque[tuple[float, float]] = deque()
         self._last_decrease = -math.inf
         self._at = now
 
@@ -137,6 +150,8 @@ class ProviderLimiter:
     def advance(self, now: float) -> None:
         if now <= self._at:
             return
+        if self._delays and self._delays[0][0] <= now - self.feedback.delay_memory_s:
+            self._set_margin(now)
         self.tokens.advance(now)
         self.requests.advance(now)
         if self.rate_factor < 1.0:
@@ -194,6 +209,7 @@ class ProviderLimiter:
         self.tokens.take(cost, now)
         self.requests.take(1, now)
         self.request_window.add(1, now)
+        self._note_admission(now, 1.0)
         self.granted_count += 1
         ledger_id = self.token_window.add(cost, now)
         if self.sub_request_window is not None:
@@ -233,6 +249,7 @@ class ProviderLimiter:
         self.requests.take(requests, now)
         token_id = self.token_window.add(tokens, now, at=use_by)
         request_id = self.request_window.add(requests, now, at=use_by)
+        self._note_admission(max(now, use_by), float(requests))
         if self.sub_token_window is not None:
             self.sub_token_window.add(tokens, now, entry_id=token_id, at=use_by)
         sub_request_id = 0
@@ -285,11 +302,19 @@ class ProviderLimiter:
     # ------------------------------------------------------------------ feedback
 
     def on_rate_limited(
-        self, retry_after: float | None, now: float, info: RateLimitInfo | None = None
+        self,
+        retry_after: float | None,
+        now: float,
+        info: RateLimitInfo | None = None,
+        admitted_at: float | None = None,
     ) -> None:
-        """The provider answered 429: pause the key, slow down, and learn from it (module docstring)."""
+        """The provider answered 429: pause the key, slow down, and learn from it (class docstring).
+        ``admitted_at`` (monotonic): when the refused call was admitted, if known."""
         self.advance(now)
         self.rate_limited_count += 1
+        if admitted_at is not None and admitted_at <= now:
+            self._delays.append((now, now - admitted_at))
+            self._set_margin(now)
         if retry_after is None and info is not None:
             retry_after = info.retry_after_s
         if retry_after is not None:
@@ -348,10 +373,34 @@ class ProviderLimiter:
         if changed:
             self._resize(now)
 
-    def _learn_from_rejection(self, info: RateLimitInfo | None, now: float) -> None:
+    def _note_admission(self, when: float, requests: float) -> None:
+        self._admissions.append((when, requests))
+        horizon = when - 1.5 * self.limits.window_s  # the longest lookback: a window and a half
+        while self._admissions[0][0] <= horizon:
+            self._admissions.popleft()
+
+    def _set_margin(self, now: float) -> None:
+        """The ledgers' window: the provider's plus the longest recent admission-to-429 delay."""
+        while self._delays and self._delays[0][0] <= now - self.feedback.delay_memory_s:
+            self._delays.popleft()
         window = self.limits.window_s
+        self.delay_margin_s = min(max((delay for _, delay in self._delays), default=0.0), window / 2.0)
+        self.token_window.window_s = window + self.delay_margin_s
+        self.request_window.window_s = window + self.delay_margin_s
+
+    def _requests_in_lookback(self, now: float) -> float:
+        """Our admissions the provider's window may have held: the ledger's without a delay margin (its
+        entries corrected to what leases used), else all admitted in the last window plus margin (the
+        ledger dropped some of those before its window grew)."""
+        if self.delay_margin_s <= 0:
+            return self.request_window.used(now)
+        horizon = now - self.limits.window_s - self.delay_margin_s
+        return sum(n for when, n in self._admissions if when > horizon)
+
+    def _learn_from_rejection(self, info: RateLimitInfo | None, now: float) -> None:
+        lookback = self.limits.window_s + self.delay_margin_s
         self._rejections.append(now)
-        while self._rejections and self._rejections[0] <= now - window:
+        while self._rejections and self._rejections[0] <= now - 1.5 * self.limits.window_s:
             self._rejections.popleft()
         tokens_ran_out = (
             info is not None
@@ -366,7 +415,8 @@ class ProviderLimiter:
             # enforcement, which ``remaining`` does not show). Learning "accepted so far" as the limit
             # here shrank a 600 RPM key to the ~10 requests of its first second (a 50 s stall after one 429).
             return
-        accepted = self.request_window.used(now) - len(self._rejections)
+        rejected = sum(1 for when in self._rejections if when > now - lookback)
+        accepted = self._requests_in_lookback(now) - rejected
         if self.learned_requests.bound(accepted):
             self._resize(now)
 

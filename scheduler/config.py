@@ -107,6 +107,8 @@ class FeedbackConfig(_Frozen):
     # Learn the real limit from the provider's headers and 429s (scheduler.learning). Off: the configured
     # limit is trusted whatever the provider says (the control run of the tests that judge learning).
     learn_limits: bool = True
+    # How long a 429's admission-to-report delay widens the key's windows (scheduler.bucket); 0: never.
+    delay_memory_s: float = Field(default=600.0, ge=0.0)
 
 
 class LeaseConfig(_Frozen):

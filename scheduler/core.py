@@ -19,6 +19,7 @@ import heapq
 import itertools
 import math
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -46,6 +47,9 @@ __all__ = [
     "SchedulerSnapshot",
     "SettleResult",
 ]
+
+# How many settled grants keep their admission time for the limit report that follows their settlement.
+_SETTLED_KEPT = 4096
 
 
 class RequestKind(StrEnum):
@@ -93,7 +97,8 @@ class LaneView:
     ``limit_requests``/``limit_tokens`` are the limits per window the buckets are sized to, and
     ``limit_sources`` where each came from (``configured``, ``stated`` by the provider, ``inferred``);
     ``granted`` counts admissions, ``rate_limited`` the 429s reported, ``retry_hints_honoured`` the retry
-    hints that paused the key, by the header that carried them.
+    hints that paused the key, by the header that carried them. ``delay_margin_s``: how much longer than
+    the provider's window the key's ledgers count, for calls that reached the provider late.
     """
 
     tokens: float
@@ -110,6 +115,7 @@ class LaneView:
     limit_sources: Mapping[str, str] = field(default_factory=dict)
     granted: int = 0
     retry_hints_honoured: Mapping[str, int] = field(default_factory=dict)
+    delay_margin_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +159,7 @@ class _Lease:
     expires_at: float  # monotonic
     reserved: int = 0
     ledger_id: int | None = None  # the reservation's entry in the provider key's window ledger
+    admitted_at: float = 0.0  # monotonic
 
 
 @dataclass(slots=True)
@@ -194,6 +201,8 @@ class SchedulerCore:
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
         self._leases: dict[str, _Lease] = {}
         self._chunks: dict[str, _Chunk] = {}  # chunk leases (scheduler.lease), expiring with the leases
+        # grants settled lately: (provider key, admitted at), for the report that follows the settlement
+        self._settled: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries skipped
         # Decided outside tick (refused at submission); handed out by the next tick.
         self._ready: list[Decision] = []
@@ -368,6 +377,7 @@ class SchedulerCore:
             pending = self._pending.pop(ticket)
             lease = self._new_lease(RequestKind.TURN, pending, self.config.turn_lease_s, now, reserved=cost)
             lease.ledger_id = ledger_id
+            lease.admitted_at = now
             grant = TurnGrant(lease.lease_id, cost, self._to_epoch(lease.expires_at))
             waited = now - pending.submitted_at
             self.metrics.admission_wait(pending.priority_class, waited)
@@ -458,6 +468,9 @@ class SchedulerCore:
         if lease is None or lease.kind is not RequestKind.TURN:
             return SettleResult.UNKNOWN
         del self._leases[grant_id]
+        self._settled[grant_id] = (lease.target, lease.admitted_at)
+        if len(self._settled) > _SETTLED_KEPT:
+            self._settled.popitem(last=False)
         lane = self._lanes[lease.target]
         now = self.clock.now()
         lane.limiter.settle(lease.reserved, actual_tokens, now, lease.ledger_id)
@@ -559,16 +572,31 @@ class SchedulerCore:
         )
         self.report_limits(provider_key, info, rate_limited=True)
 
-    def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+    def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
         """Admission feedback from one provider response: what its headers said about the limits, and
-        whether it was a 429. The lane learns the real limit from it (``scheduler.learning``)."""
+        whether it was a 429. The lane learns the real limit from it (``scheduler.learning``); a 429 on a
+        grant of this key also how late our requests reach the provider (``ProviderLimiter``)."""
         lane = self._lane(provider_key)
         now = self.clock.now()
         lane.limiter.observe(info, now)
         if rate_limited:
-            lane.limiter.on_rate_limited(info.retry_after_s, now, info)
+            admitted_at = self._admitted_at(grant_id, provider_key)
+            lane.limiter.on_rate_limited(info.retry_after_s, now, info, admitted_at)
             self.metrics.rate_limited(provider_key)
         self._report_levels(provider_key, lane, now)
+
+    def _admitted_at(self, grant_id: str | None, provider_key: str) -> float | None:
+        """When this scheduler admitted ``grant_id`` on ``provider_key`` (None: unknown here, e.g. a turn
+        of a leased chunk, a grant from before a restart, or one settled long ago)."""
+        if grant_id is None:
+            return None
+        lease = self._leases.get(grant_id)
+        if lease is not None:
+            return lease.admitted_at if lease.target == provider_key else None
+        key, admitted_at = self._settled.get(grant_id, ("", 0.0))
+        return admitted_at if key == provider_key else None
 
     def observe_remaining(self, provider_key: str, remaining: Mapping[str, float]) -> None:
         """A successful response's ``x-ratelimit-remaining-*``: never be more optimistic than the provider."""
@@ -605,6 +633,8 @@ class SchedulerCore:
 
     def snapshot(self) -> SchedulerSnapshot:
         now = self.clock.now()
+        for lane in self._lanes.values():
+            lane.limiter.advance(now)  # a delay margin past its memory is dropped before it is shown
         lanes = {
             key: LaneView(
                 tokens=lane.limiter.tokens.level(now),
@@ -624,6 +654,7 @@ class SchedulerCore:
                 },
                 granted=lane.limiter.granted_count,
                 retry_hints_honoured=dict(lane.limiter.hints_honoured),
+                delay_margin_s=lane.limiter.delay_margin_s,
             )
             for key, lane in self._lanes.items()
         }

@@ -104,11 +104,13 @@ class InProcessScheduler:
             self.core.report_rate_limited(provider_key, retry_after, remaining)
         self._poke()
 
-    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
         """Admission feedback from one provider response (a 429 and/or its limit headers): the key's
         limits are learned from it (``scheduler.learning``)."""
         with self._lock:
-            self.core.report_limits(provider_key, info, rate_limited)
+            self.core.report_limits(provider_key, info, rate_limited, grant_id)
         self._poke()
 
     async def acquire_sandbox(

@@ -21,7 +21,10 @@ tokens) the limit the buckets use is the smallest of:
   429 still pauses the key and slows its refill (``ProviderLimiter.on_rate_limited``).
 
 An inferred limit only goes down; it is forgotten when the stated limit changes (the provider announced
-a new one) and when the scheduler restarts. Time-independent and pure: the caller passes the counts.
+a new one) and when the scheduler restarts. The first statement forgets nothing: a 429 answered before
+any success stated the limit is evidence about that same limit (a gateway that refuses fast and answers
+slowly reports its 429s first), and the limit is the smaller of the two. Time-independent and pure: the
+caller passes the counts.
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ class LearnedLimit:
         if limit <= 0 or not math.isfinite(limit) or limit == self.stated:
             return False
         before = self.effective
+        if self.stated is not None:
+            self.inferred = None  # a new word from the provider supersedes what we guessed
         self.stated = float(limit)
-        self.inferred = None  # a new word from the provider supersedes what we guessed
         return self.effective != before
 
     def bound(self, upper: float) -> bool:

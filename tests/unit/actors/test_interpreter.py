@@ -91,7 +91,9 @@ class OpenAdmission:
     ) -> None:
         return None
 
-    async def report_limits(self, provider_key: str, info: RateLimitInfo, rate_limited: bool) -> None:
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
         return None
 
     async def acquire_sandbox(

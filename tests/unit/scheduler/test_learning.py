@@ -6,6 +6,11 @@ a bare 429, or LiteLLM's router (calendar minutes, states ``rpm`` but rejects th
 ``llm_provider-retry-after: 60`` on every 429). Closed-loop clients keep the key saturated. The judge is
 the provider's count of 429s after its first full window, and the goodput kept once the limit is learned;
 the control runs switch learning off and show the same judge fails.
+
+With ``arrival_s`` the calls reach the provider a seeded random while after their admission (a loaded
+gateway or worker), so our ledger's windows and the provider's no longer hold the same calls: the scheduler
+learns that delay from the 429s reported with their grants, and the control runs it without
+(``delay_memory_s=0``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -20,6 +26,7 @@ import pytest
 
 from runtime.clock import FakeClock
 from runtime.ports import RateLimitInfo, TurnRequest
+from scheduler.bucket import ProviderLimiter
 from scheduler.config import FeedbackConfig, ProviderLimits, SchedulerConfig
 from scheduler.core import Admitted, SchedulerCore
 from scheduler.learning import LearnedLimit, LimitSource, capacity_below
@@ -98,18 +105,30 @@ class Run:
         return sum(1 for t in self.provider.rejected_at if t >= self.first_window_end)
 
 
-def saturate(style: str, *, learn: bool, headroom: float = 0.05, windows: int = 5) -> Run:
-    """Six closed-loop clients on one key for ``windows`` windows; each call is answered 0.5 s after its
-    admission with the provider's verdict, fed back as the interpreter does (``report_limits``)."""
+def saturate(
+    style: str,
+    *,
+    learn: bool,
+    headroom: float = 0.05,
+    windows: int = 5,
+    arrival_s: tuple[float, float] = (0.0, 0.0),
+    seed: int = 0,
+    delay_memory_s: float = 600.0,
+) -> Run:
+    """Six closed-loop clients on one key for ``windows`` windows. Each call reaches the provider
+    ``arrival_s`` (a seeded uniform range) after its admission and is answered 0.5 s after that with the
+    provider's verdict, fed back as the interpreter does (settle, then ``report_limits`` with the grant)."""
     clock = FakeClock(start=1_010.0)  # 10 s into a calendar minute: the first window straddles two
     limits = ProviderLimits(
         tokens_per_minute=10_000_000, requests_per_minute=CONFIGURED_RPM, headroom=headroom, window_s=WINDOW
     )
-    config = SchedulerConfig(providers={KEY: limits}, feedback=FeedbackConfig(learn_limits=learn))
-    core = SchedulerCore(config, clock, id_prefix="sim")
+    feedback = FeedbackConfig(learn_limits=learn, delay_memory_s=delay_memory_s)
+    core = SchedulerCore(SchedulerConfig(providers={KEY: limits}, feedback=feedback), clock, id_prefix="sim")
     provider = SimProvider(style)
     started, end = clock.now(), clock.now() + windows * WINDOW
     ids = itertools.count()
+    rng = random.Random(seed)
+    arrivals: list[tuple[float, int, str]] = []
     responses: list[tuple[float, int, str, bool, RateLimitInfo | None]] = []
     admitted_at: list[float] = []
 
@@ -122,15 +141,20 @@ def saturate(style: str, *, learn: bool, headroom: float = 0.05, windows: int = 
         for decision in core.tick():
             assert isinstance(decision, Admitted)
             admitted_at.append(clock.now())
+            arrive = clock.now() + rng.uniform(*arrival_s)
+            heapq.heappush(arrivals, (arrive, next(ids), decision.grant.grant_id))
+        while arrivals and arrivals[0][0] <= clock.now():
+            _, _, grant_id = heapq.heappop(arrivals)
             ok, info = provider.call(clock.now())
-            heapq.heappush(responses, (clock.now() + 0.5, next(ids), decision.grant.grant_id, ok, info))
+            heapq.heappush(responses, (clock.now() + 0.5, next(ids), grant_id, ok, info))
         while responses and responses[0][0] <= clock.now():
             _, _, grant_id, ok, info = heapq.heappop(responses)
-            if info is not None or not ok:
-                core.report_limits(KEY, info or RateLimitInfo(), rate_limited=not ok)
             core.settle_turn(grant_id, 100 if ok else 0)
+            if info is not None or not ok:
+                core.report_limits(KEY, info or RateLimitInfo(), rate_limited=not ok, grant_id=grant_id)
             submit()
-        wake = [t for t in (core.next_wakeup(), responses[0][0] if responses else None) if t is not None]
+        queued = [q[0][0] for q in (arrivals, responses) if q]
+        wake = [t for t in (core.next_wakeup(), *queued) if t is not None]
         clock.advance(max(0.0, min(wake) - clock.now()) if wake else WINDOW)
     return Run(provider, core, started, admitted_at)
 
@@ -191,7 +215,9 @@ def test_retry_hints_are_honoured_and_counted_by_the_header_that_carried_them() 
         ([("bound", 50.0), ("bound", 80.0)], 50.0, LimitSource.INFERRED),  # inferred only goes down
         ([("bound", 0.5)], 600.0, LimitSource.CONFIGURED),  # nonsense evidence is ignored
         ([("state", 100.0), ("bound", 40.0)], 40.0, LimitSource.INFERRED),  # a server below its word
-        ([("bound", 40.0), ("state", 100.0)], 100.0, LimitSource.STATED),  # a new word supersedes
+        ([("state", 100.0), ("bound", 40.0), ("state", 120.0)], 120.0, LimitSource.STATED),  # a new word
+        # its first word forgets nothing: a gateway that refuses fast and answers slowly reports 429s first
+        ([("bound", 40.0), ("state", 100.0)], 40.0, LimitSource.INFERRED),
     ],
 )
 def test_learned_limit_table(evidence: list[tuple[str, float]], expected: float, source: LimitSource) -> None:
@@ -254,3 +280,95 @@ def test_a_sub_window_429_with_requests_left_teaches_no_request_limit() -> None:
     clock.advance(1.5)
     core.submit_turn(TurnRequest("next", "standard", KEY, 100, clock.wall() + 600))
     assert [type(d) for d in core.tick()] == [Admitted]
+
+
+# --------------------------------------------------------------------------- calls that arrive late
+
+LATE = (0.2, 20.0)  # a loaded gateway or worker: calls reach the provider up to 20 s after admission
+SEEDS = range(10)
+
+
+@pytest.mark.parametrize("style", ["retry_hint_only", "bare_429"])
+def test_calls_arriving_late_teach_the_delay_and_the_429s_stop_after_the_first_window(style: str) -> None:
+    # Given a sliding-window provider whose calls arrive 0.2-20 s after their admission, ten seeded runs
+    runs = [saturate(style, learn=True, arrival_s=LATE, seed=seed, windows=6) for seed in SEEDS]
+    # Then in none of them does the provider reject a call after its first full window
+    assert [run.rejections_after_first_window() for run in runs] == [0] * len(runs)
+    # And the limit learned is the provider's own, not one shrunk by calls it counted in an earlier window
+    assert {run.core.snapshot().lanes[KEY].limit_requests for run in runs} == {REAL_RPM}
+    # And what the 429s taught shows: the key's ledgers count over a longer window than the provider's
+    assert all(0 < run.core.snapshot().lanes[KEY].delay_margin_s <= WINDOW / 2 for run in runs)
+
+
+@pytest.mark.parametrize("style", ["retry_hint_only", "bare_429"])
+def test_control_without_the_delay_late_calls_bring_429s_and_a_shrunk_limit(style: str) -> None:
+    """The control of the test above: the same runs, the delay forgotten at once (``delay_memory_s=0``)."""
+    runs = [saturate(style, learn=True, arrival_s=LATE, seed=s, windows=6, delay_memory_s=0) for s in SEEDS]
+    assert sum(1 for run in runs if run.rejections_after_first_window()) >= len(runs) // 2
+    assert min(run.core.snapshot().lanes[KEY].limit_requests for run in runs) < REAL_RPM
+
+
+def test_litellm_router_with_jittered_arrivals_is_learned_in_one_window() -> None:
+    # Given LiteLLM's router (calendar minutes, one below its stated rpm) and calls arriving 0.1-1 s late
+    runs = [
+        saturate("litellm_router", learn=True, headroom=0.0, arrival_s=(0.1, 1.0), seed=s, windows=6)
+        for s in SEEDS
+    ]
+    # Then no run meets a 429 after the first full window, and each learned the router's real allowance
+    assert [run.rejections_after_first_window() for run in runs] == [0] * len(runs)
+    assert {run.core.snapshot().lanes[KEY].limit_requests for run in runs} == {REAL_RPM - 1}
+    # Control: forgetting the delay, the jitter is taken for a smaller limit in some runs and brings 429s
+    control = [
+        saturate("litellm_router", learn=True, headroom=0, arrival_s=(0.1, 1.0), seed=s, delay_memory_s=0)
+        for s in SEEDS
+    ]
+    assert sum(1 for run in control if run.rejections_after_first_window()) >= 2
+    assert min(run.core.snapshot().lanes[KEY].limit_requests for run in control) < REAL_RPM - 1
+
+
+def limiter_after_429(delay: float, memory: float = 600.0) -> tuple[ProviderLimiter, float]:
+    limits = ProviderLimits(tokens_per_minute=1_000_000, requests_per_minute=60, headroom=0.0)
+    limiter = ProviderLimiter(limits, FeedbackConfig(delay_memory_s=memory), now=0.0)
+    now = 100.0
+    limiter.on_rate_limited(1.0, now, RateLimitInfo(retry_after_s=1.0), admitted_at=now - delay)
+    return limiter, now
+
+
+@pytest.mark.parametrize(("delay", "margin"), [(12.0, 12.0), (50.0, 30.0), (-1.0, 0.0)])
+def test_a_429s_delay_widens_the_ledgers_by_at_most_half_a_window(delay: float, margin: float) -> None:
+    # (a negative delay: an admission dated after its own answer is nonsense, and ignored)
+    limiter, _ = limiter_after_429(delay)
+    assert limiter.delay_margin_s == margin
+    assert limiter.request_window.window_s == limiter.token_window.window_s == 60.0 + margin
+
+
+def test_the_delay_margin_is_forgotten_after_its_memory() -> None:
+    limiter, now = limiter_after_429(12.0, memory=300.0)
+    limiter.advance(now + 299.0)
+    assert limiter.delay_margin_s == 12.0
+    limiter.advance(now + 300.0)
+    assert (limiter.delay_margin_s, limiter.request_window.window_s) == (0.0, 60.0)
+
+
+def test_the_scheduler_dates_a_429_by_its_grant_before_and_after_settlement() -> None:
+    clock = FakeClock()
+    limits = ProviderLimits(tokens_per_minute=1_000_000, requests_per_minute=600, headroom=0.0)
+    other = "http://other/v1|model"
+    core = SchedulerCore(SchedulerConfig(providers={KEY: limits, other: limits}), clock, id_prefix="d")
+    clock.advance(60.0)
+    for name in ("a", "b"):
+        core.submit_turn(TurnRequest(name, "standard", KEY, 100, clock.wall() + 600))
+    [a, b] = [d.grant.grant_id for d in core.tick() if isinstance(d, Admitted)]
+    clock.advance(7.0)
+    core.settle_turn(a, 0)  # the interpreter settles first, then reports
+    limited = RateLimitInfo(retry_after_s=0.1)
+    core.report_limits(KEY, limited, rate_limited=True, grant_id=a)
+    assert core.snapshot().lanes[KEY].delay_margin_s == pytest.approx(7.0)
+    clock.advance(3.0)
+    core.report_limits(KEY, limited, rate_limited=True, grant_id=b)  # not settled yet
+    assert core.snapshot().lanes[KEY].delay_margin_s == pytest.approx(10.0)
+    # A grant unknown here (a leased chunk's, one from before a restart) or another key's dates nothing
+    core.report_limits(other, limited, rate_limited=True, grant_id=b)
+    core.report_limits(other, limited, rate_limited=True, grant_id="g-elsewhere-1")
+    core.report_limits(other, limited, rate_limited=True)
+    assert core.snapshot().lanes[other].delay_margin_s == 0.0

@@ -8,7 +8,7 @@ tool service's own delivery record and the folded record.
 from __future__ import annotations
 
 from runtime.clock import FakeClock
-from runtime.effects import CancelToolCall, Hibernate, ProbeTool, ReportLimits
+from runtime.effects import CancelToolCall, Hibernate, ProbeTool, ReportLimits, SettleAdmission
 from runtime.events import CallObserved, TimerStarted
 from runtime.fingerprint import call_digest
 from runtime.fold import fold
@@ -265,6 +265,9 @@ def test_429s_are_admission_feedback_not_failures_and_give_their_turn_back() -> 
     reports = [e for e in sim.effects if isinstance(e, ReportLimits)]
     assert len(reports) == 6 and all(r.rate_limited for r in reports)
     assert reports[0].info.retry_after_s == 2.0
+    # And each report names the grant of the call it answers (the scheduler dates the 429 by it)
+    settled = [e.grant_id for e in sim.effects if isinstance(e, SettleAdmission)]
+    assert [r.grant_id for r in reports] == settled[:6] and len(set(settled[:6])) == 6
     assert fold(sim.log, sim.policy) == rec
 
 
