@@ -340,6 +340,8 @@ def test_the_run_report_shows_what_tether_saw_of_the_gateway(litellm_run: Litell
     assert set(lane["retry_hints_honoured"]) <= {"llm_provider-retry-after", "unnamed"}
     # And the limit the scheduler learned is the router's, not the workload's 100
     assert lane["limit_requests"] <= 10 and lane["limit_sources"]["requests"] in {"stated", "inferred"}
+    # And each 429 came back with its grant, so the scheduler dated it: a delay margin, at most half a window
+    assert 0 < lane["delay_margin_s"] <= 30
 
 
 def test_completed_trajectories_are_metered_from_the_gateways_usage(litellm_run: LitellmRun) -> None:
