@@ -139,6 +139,12 @@ METRICS: dict[str, MetricSpec] = {
             "tether_provider_429", Kind.COUNTER, "HTTP 429 responses received, by provider.", ("provider",)
         ),
         MetricSpec(
+            "tether_scheduler_delay_margin_seconds",
+            Kind.GAUGE,
+            "How much longer than the provider's window a key's admission ledgers count, for late calls.",
+            ("provider",),
+        ),
+        MetricSpec(
             "tether_admission_refused",
             Kind.COUNTER,
             "Scheduler refusals, by request kind (turn, sandbox), priority class and failed predicate.",
@@ -372,6 +378,9 @@ class Metrics:
 
     def rate_limited(self, provider: str) -> None:
         self._record("tether_provider_429", Kind.COUNTER, 1, {"provider": provider})
+
+    def delay_margin(self, provider: str, seconds: float) -> None:
+        self._record("tether_scheduler_delay_margin_seconds", Kind.GAUGE, seconds, {"provider": provider})
 
     def admission_refused(self, kind: str, priority_class: str, predicate: str) -> None:
         self._record(

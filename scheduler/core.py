@@ -173,6 +173,7 @@ class _Chunk:
 class _Lane:
     limiter: ProviderLimiter
     drr: DeficitRoundRobin[int]
+    reported_margin: float = 0.0  # the delay margin last given to the metrics
 
 
 class SchedulerCore:
@@ -630,6 +631,9 @@ class SchedulerCore:
         limiter = lane.limiter
         self.metrics.bucket_level(key, "tokens", limiter.tokens.level(now), limiter.tokens.capacity)
         self.metrics.bucket_level(key, "requests", limiter.requests.level(now), limiter.requests.capacity)
+        if limiter.delay_margin_s != lane.reported_margin:
+            lane.reported_margin = limiter.delay_margin_s
+            self.metrics.delay_margin(key, limiter.delay_margin_s)
 
     def snapshot(self) -> SchedulerSnapshot:
         now = self.clock.now()

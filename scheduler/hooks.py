@@ -27,6 +27,10 @@ class SchedulerMetrics(Protocol):
         """The provider answered 429 on this key."""
         ...
 
+    def delay_margin(self, provider_key: str, seconds: float) -> None:
+        """How much longer than the provider's window the key's ledgers count now (calls arriving late)."""
+        ...
+
     def refused(self, kind: str, priority_class: str, predicate: str) -> None:
         """A request (``kind`` ``"turn"`` or ``"sandbox"``) was refused; ``predicate`` says why."""
         ...
@@ -42,6 +46,9 @@ class NoopMetrics:
         pass
 
     def rate_limited(self, provider_key: str) -> None:
+        pass
+
+    def delay_margin(self, provider_key: str, seconds: float) -> None:
         pass
 
     def refused(self, kind: str, priority_class: str, predicate: str) -> None:

@@ -14,8 +14,10 @@ tokens) the limit the buckets use is the smallest of:
     most what we admitted in the last window less what it rejected there, so its limit is at most
     ``admitted_in_window - rejected_in_window``.
   Both are upper bounds as long as nobody else spends the key (another client makes us take less: our
-  share). A 429 also counts against a stated limit: some servers admit fewer than they state (LiteLLM's
-  router rejects the request that would reach its stated rpm).
+  share). "The last window" is the provider's window plus the key's delay margin when its calls have been
+  seen reaching it late (``scheduler.bucket.ProviderLimiter``). A 429 also counts against a stated
+  limit: some servers admit fewer than they state (LiteLLM's router rejects the request that would reach
+  its stated rpm).
   Token limits are never inferred: a provider counts tokens its own way (OpenAI charges prompt plus
   ``max_tokens`` on arrival), not the usage our ledger settles to, so our count bounds nothing. A token
   429 still pauses the key and slows its refill (``ProviderLimiter.on_rate_limited``).

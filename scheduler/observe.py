@@ -1,5 +1,6 @@
 """The scheduler's metrics hooks (``scheduler.hooks.SchedulerMetrics``) recorded through
-``runtime.metrics.Metrics``: bucket level, admission wait by class, 429s received, refusals.
+``runtime.metrics.Metrics``: bucket level, admission wait by class, 429s received, refusals, and the
+delay margin a key's windows allow for late calls.
 
 ``MetricsAdapter`` is handed to ``SchedulerCore`` / ``InProcessScheduler`` / the scheduler actor. For the
 actor it is built from a backend *factory* (e.g. ``actors.metrics_ray.RayBackend``; this package may not
@@ -51,6 +52,9 @@ class MetricsAdapter:
 
     def rate_limited(self, provider_key: str) -> None:
         self._safely(lambda m: m.rate_limited(provider_key))
+
+    def delay_margin(self, provider_key: str, seconds: float) -> None:
+        self._safely(lambda m: m.delay_margin(provider_key, max(0.0, seconds)))
 
     def refused(self, kind: str, priority_class: str, predicate: str) -> None:
         self._safely(lambda m: m.admission_refused(kind, priority_class, predicate))

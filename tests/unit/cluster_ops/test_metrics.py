@@ -48,6 +48,12 @@ Call = Callable[[Metrics], None]
             0.25,
         ),
         (lambda m: m.rate_limited("sim"), "tether_provider_429", {"provider": "sim"}, 1.0),
+        (
+            lambda m: m.delay_margin("sim", 12.5),
+            "tether_scheduler_delay_margin_seconds",
+            {"provider": "sim"},
+            12.5,
+        ),
         (lambda m: m.breaker_state("search", "half_open"), "tether_breaker_state", {"scope": "search"}, 1.0),
         (lambda m: m.breaker_tripped("search"), "tether_breaker_trips", {"scope": "search"}, 1.0),
         (

@@ -8,9 +8,9 @@ import pytest
 
 from runtime.clock import FakeClock
 from runtime.metrics import InMemoryBackend, Metrics
-from runtime.ports import TurnRequest
+from runtime.ports import RateLimitInfo, TurnRequest
 from scheduler.config import ProviderLimits, SchedulerConfig
-from scheduler.core import SchedulerCore
+from scheduler.core import Admitted, SchedulerCore
 from scheduler.hooks import SchedulerMetrics
 from scheduler.observe import MetricsAdapter
 
@@ -72,3 +72,19 @@ def test_a_factory_built_adapter_pickles_without_its_backend_and_rebuilds_it() -
     backend = copy.metrics.backend
     assert isinstance(backend, InMemoryBackend)
     assert backend.value("tether_provider_429", provider="p") == 1.0
+
+
+def test_a_dated_429_sets_the_keys_delay_margin_gauge() -> None:
+    # Given a turn admitted, then answered 429 three seconds later, reported with its grant
+    clock, backend = FakeClock(), InMemoryBackend()
+    core = SchedulerCore(CONFIG, clock, metrics=MetricsAdapter(Metrics(backend)))
+    clock.advance(1.0)
+    core.submit_turn(TurnRequest("t1", "standard", KEY, 10, clock.wall() + 3_600))
+    [admitted] = core.tick()
+    assert isinstance(admitted, Admitted)
+    clock.advance(3.0)
+    core.report_limits(
+        KEY, RateLimitInfo(retry_after_s=1.0), rate_limited=True, grant_id=admitted.grant.grant_id
+    )
+    # Then the gauge shows the margin the key's ledgers now count with
+    assert backend.value("tether_scheduler_delay_margin_seconds", provider=KEY) == pytest.approx(3.0)

@@ -292,6 +292,9 @@ class RecordingMetrics:
     def rate_limited(self, provider_key: str) -> None:
         self.events.append(("429", provider_key))
 
+    def delay_margin(self, provider_key: str, seconds: float) -> None:
+        self.events.append(("margin", f"{seconds:.1f}"))
+
     def refused(self, kind: str, priority_class: str, predicate: str) -> None:
         self.events.append(("refused", kind, priority_class, predicate))
 
