@@ -4,13 +4,16 @@ Folding an event builds the next ``TrajectoryRecord`` (45 fields) about twice, a
 17 events: ``dataclasses.replace`` (it gathers every field into keyword arguments and runs ``__init__``) was
 a tenth of a turn's own compute (``benchmarks/turn_overhead.py``). For a class whose fields are all set by
 ``__init__`` and that has no ``__post_init__`` (so ``__init__`` only stores its arguments), the copy is
-made directly: a new instance, every field copied, the changes written over. Any other class goes through
+made directly: a new instance, every field copied (through each slot's descriptor when the class has
+slots), the changes written over. Any other class goes through
 ``dataclasses.replace`` unchanged, so the result is always what it would have been.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,22 +49,28 @@ def _copier_for(cls: type) -> _Copier | None:
     if any(not f.init for f in fields) or init_params != names:
         return None
     # The copy is compiled per class, as dataclasses compiles __init__: one attribute read and one store
-    # per field, then the changes over them (4 us for the record, against 12 us by dataclasses.replace).
-    lines = ["def copy(obj, changes):", "    out = new(cls)"]
-    lines += [f"    set_field(out, {name!r}, obj.{name})" for name in names]
+    # per field, then the changes over them. A slotted class stores through each slot's own descriptor,
+    # bound once (object.__setattr__ finds the descriptor on every call: 2.5x the time for the record).
+    slots = [inspect.getattr_static(cls, name, None) for name in names]
+    if all(isinstance(slot, types.MemberDescriptorType) for slot in slots):
+        setters = {name: slot.__set__ for name, slot in zip(names, slots, strict=True)}
+        scope: dict[str, Any] = {f"s{i}": setter for i, setter in enumerate(setters.values())}
+        scope["put"] = setters
+        store = [f"    s{i}(out, obj.{name})" for i, name in enumerate(names)]
+        change = "        put[name](out, value)"
+    else:
+        scope = {"set_field": object.__setattr__}
+        store = [f"    set_field(out, {name!r}, obj.{name})" for name in names]
+        change = "        set_field(out, name, value)"
+    lines = ["def copy(obj, changes):", "    out = new(cls)", *store]
     lines += [
         "    for name, value in changes.items():",
         "        if name not in known:",
         "            raise TypeError(f'{cls.__name__} has no field {name!r}')",
-        "        set_field(out, name, value)",
+        change,
         "    return out",
     ]
-    scope: dict[str, Any] = {
-        "new": object.__new__,
-        "cls": cls,
-        "set_field": object.__setattr__,
-        "known": frozenset(names),
-    }
+    scope.update({"new": object.__new__, "cls": cls, "known": frozenset(names)})
     exec("\n".join(lines), scope)
     copier: _Copier = scope["copy"]
     return copier

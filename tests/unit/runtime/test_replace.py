@@ -70,3 +70,24 @@ def test_a_class_that_validates_or_derives_goes_through_dataclasses_replace() ->
         replace(Checked(1), n=-1)
     assert replace(Derived(2), n=5).twice == 10
     assert _replace._COPIERS[Checked] is None and _replace._COPIERS[Derived] is None
+
+
+@dataclass(frozen=True)
+class Plain:  # no slots: the copy stores through object.__setattr__
+    a: int
+    b: str = "b"
+
+
+@dataclass(frozen=True, slots=True)
+class Slotted:  # slots: the copy stores through each slot's descriptor
+    a: int
+    b: str = "b"
+
+
+@pytest.mark.parametrize("cls", [Plain, Slotted])
+def test_slotted_and_plain_classes_copy_as_dataclasses_replace_does(cls: type[Plain] | type[Slotted]) -> None:
+    original = cls(1)
+    assert replace(original, b="c") == dataclasses.replace(original, b="c") == cls(1, "c")
+    assert original == cls(1) and _replace._COPIERS[cls] is not None
+    with pytest.raises(TypeError, match="no field 'c'"):
+        replace(original, c=3)
