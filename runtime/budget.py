@@ -165,8 +165,25 @@ class Spend:
 
     def add(self, other: Spend) -> Spend:
         """Element-wise sum over the union of dimensions."""
-        keys = set(self.amounts) | set(other.amounts)
-        return Spend({k: self.get(k) + other.get(k) for k in keys})
+        if not other.amounts:
+            return self
+        if not self.amounts:
+            return other
+        sums = dict(self.amounts)
+        for key, value in other.amounts.items():
+            sums[key] = sums.get(key, 0.0) + value
+        # both were validated: the sum is valid unless it overflowed, which the full check reports
+        if all(math.isfinite(v) for v in sums.values()):
+            return Spend._valid(sums)
+        return Spend(sums)
+
+    @classmethod
+    def _valid(cls, amounts: dict[str, float]) -> Spend:
+        """A spend of amounts known valid (non-negative finite floats by dimension name), unchecked."""
+        spend = object.__new__(cls)
+        ordered = dict(sorted(amounts.items(), key=lambda kv: _dimension_order(kv[0])))
+        object.__setattr__(spend, "amounts", MappingProxyType(ordered))
+        return spend
 
     def __add__(self, other: Spend) -> Spend:
         return self.add(other)

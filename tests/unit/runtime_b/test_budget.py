@@ -234,6 +234,15 @@ def test_add_is_commutative_and_element_wise(a: dict[str, float], b: dict[str, f
     assert left.add(right) == right.add(left)
     for dim in set(a) | set(b):
         assert left.add(right)[dim] == a.get(dim, 0.0) + b.get(dim, 0.0)
+    # the sum is the spend a validated construction gives, dimensions in the same order
+    checked = Spend({dim: a.get(dim, 0.0) + b.get(dim, 0.0) for dim in set(a) | set(b)})
+    assert left.add(right) == checked and list(left.add(right)) == list(checked)
+
+
+def test_a_sum_that_overflows_is_refused_as_the_constructor_refuses_it() -> None:
+    huge = Spend.of(tokens=1e308)
+    with pytest.raises(BudgetConfigError, match="must be finite"):
+        huge.add(huge)
 
 
 @given(amounts.filter(bool))
