@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runtime._handlers_common import Handler, refuse, require_state, with_item
+from runtime._handlers_common import Handler, appended, refuse, require_state, with_item
 from runtime._replace import replace
 from runtime.delegation import PARTITIONED
 from runtime.escalation import Escalation, EscalationStatus, EscalationTrigger
@@ -227,7 +227,7 @@ def _child_settled(rec: TrajectoryRecord, ev: ChildSettled) -> TrajectoryRecord:
         rec,
         spend=spend,
         supervision=replace(rec.supervision, children=children),
-        transcript=(*rec.transcript, ev),
+        transcript=appended(rec.transcript, ev),
     )
 
 
@@ -237,7 +237,7 @@ def _child_cancelled(rec: TrajectoryRecord, ev: ChildCancelled) -> TrajectoryRec
         refuse(rec, ev, "child_not_running", f"child {ev.child_id!r} is {child.status}")
     children = with_item(rec.supervision.children, ev.child_id, replace(child, status="cancelled"))
     return replace(
-        rec, supervision=replace(rec.supervision, children=children), transcript=(*rec.transcript, ev)
+        rec, supervision=replace(rec.supervision, children=children), transcript=appended(rec.transcript, ev)
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from runtime._handlers_common import (
     Handler,
+    appended,
     audit,
     charged,
     refuse,
@@ -82,7 +83,7 @@ def _abandon(record: TrajectoryRecord, event: Event, call_id: str) -> Trajectory
         record,
         pending_calls=without_item(record.pending_calls, call_id),
         operations=with_item(record.operations, op.operation_id, op),
-        transcript=(*record.transcript, event),
+        transcript=appended(record.transcript, event),
     )
 
 
@@ -281,7 +282,7 @@ def _result_accepted(rec: TrajectoryRecord, ev: ToolResultAccepted) -> Trajector
         pending_calls=without_item(rec.pending_calls, ev.call_id),
         operations=with_item(rec.operations, op.operation_id, op),
         spend=charged(rec, meter_tool_call(ev.charge).as_dict()),
-        transcript=(*rec.transcript, ev),
+        transcript=appended(rec.transcript, ev),
     )
 
 
@@ -319,7 +320,7 @@ def _operation_settled(rec: TrajectoryRecord, ev: OperationSettled) -> Trajector
         refuse(rec, ev, "settled_is_final", str(exc))
     if ev.result is not None and op.settlement is Settlement.ESTABLISHED:
         op = replace(op, result=ev.result)
-    transcript = (*rec.transcript, ev) if ev.call_id is not None else rec.transcript
+    transcript = appended(rec.transcript, ev) if ev.call_id is not None else rec.transcript
     return replace(rec, operations=with_item(rec.operations, op.operation_id, op), transcript=transcript)
 
 

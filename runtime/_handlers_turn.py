@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runtime._handlers_common import Handler, charged, refuse, require_state
+from runtime._handlers_common import Handler, appended, charged, refuse, require_state
 from runtime._replace import replace
 from runtime.budget import Dimension, PriceTable, meter_model_call, meter_turn
 from runtime.events import (
@@ -141,7 +141,7 @@ def _observation(rec: TrajectoryRecord, ev: ObservationAppended) -> TrajectoryRe
             refuse(rec, ev, "reply_not_parseable", "an aborted or failed call has no reply to append")
         if ev.tool_calls and rec.model_call.outcome is not ModelOutcome.TOOL_USE:
             refuse(rec, ev, "truncated_reply_not_parsed", "only a tool_use reply proposes calls")
-    return replace(rec, transcript=(*rec.transcript, ev))
+    return replace(rec, transcript=appended(rec.transcript, ev))
 
 
 HANDLERS: Mapping[type, Handler] = {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import countOf
 from typing import TYPE_CHECKING, Any
 
 from runtime.errors import InputError
@@ -87,9 +88,11 @@ def turn_progress(record: TrajectoryRecord, spec: ProgressSpec, results_seen: in
     from runtime.events import ToolResultAccepted
     from runtime.ports import Settlement
 
-    results = [ev for ev in record.transcript if isinstance(ev, ToolResultAccepted)]
     if not spec.declared:
-        return TurnProgress(None, False, len(results))
+        # only the count, every turn, over a transcript that grows with the trajectory: counted in C
+        # (events are final classes: the exact type is the isinstance test)
+        return TurnProgress(None, False, countOf(map(type, record.transcript), ToolResultAccepted))
+    results = [ev for ev in record.transcript if isinstance(ev, ToolResultAccepted)]
     tool_of = record.operations_by_call()
     state: dict[str, Any] = {}
     new_waiting: list[bool] = []

@@ -131,7 +131,8 @@ def transition(record: TrajectoryRecord, event: StateChanged) -> TrajectoryRecor
 
     changes: dict[str, Any] = {
         "state": dst,
-        "history": (*record.history, Transition(record.log_position, src, dst, event.reason)),
+        # one copy of a history that grows with the trajectory (runtime._handlers_common.appended)
+        "history": record.history + (Transition(record.log_position, src, dst, event.reason),),  # noqa: RUF005
     }
     if src is S.CALLING_MODEL or dst is S.CALLING_MODEL:
         changes["model_call"] = None  # one call per CALLING_MODEL episode
