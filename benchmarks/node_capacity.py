@@ -73,6 +73,9 @@ CLASSES = ("interactive", "standard", "batch")
 IMPORT_LADDER = (
     "pydantic",
     "msgpack",
+    # the package first, as in a trajectory's worker: it imports redis.asyncio without the OpenTelemetry SDK
+    # (``actors._worker_imports``), so this row is redis-py's cost as a trajectory pays it
+    "actors",
     "redis.asyncio",
     "yaml",
     "runtime.decider",
@@ -99,6 +102,8 @@ NOT_IN_TRAJECTORY = (
     "actors.tools_grpc",
     "openai",
     "actors.model_openai",
+    # what redis-py would load for its own OpenTelemetry metrics (``actors._worker_imports``)
+    "opentelemetry.sdk.metrics",
 )
 # The native library each of those imports maps, as /proc/<pid>/maps names it: read from the running
 # trajectories, it checks the lists above against what a trajectory really loads (``mapped_by_trajectories``).

@@ -77,3 +77,41 @@ def test_verifying_one_without_a_verdict_still_loads_it() -> None:
     )
     loaded = loaded_by("actors.trajectory", "cluster.adapters", then=_DECODE + verify)
     assert "cluster.signing" in loaded and "cryptography.hazmat.primitives.asymmetric.ed25519" in loaded
+
+
+# ``actors/__init__`` imports redis without the OpenTelemetry SDK only in a Ray worker; a plain interpreter
+# is a driver. These run the same function the package runs in a worker, in a fresh interpreter each.
+_OTEL_STATE = (
+    "import redis.observability.providers as p\n"
+    "state = {'redis_otel': p.OTEL_AVAILABLE, 'sdk_loaded': 'opentelemetry.sdk' in sys.modules}\n"
+    "import opentelemetry.sdk.metrics\n"  # importable again once redis is in
+    "print(json.dumps(state))\n"
+)
+
+
+def otel_state(setup: str) -> dict[str, bool]:
+    code = f"import json, sys\n{setup}\n{_OTEL_STATE}"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120
+    )
+    state: dict[str, bool] = json.loads(out.stdout)
+    return state
+
+
+def test_a_worker_imports_redis_without_the_opentelemetry_sdk_and_the_sdk_stays_importable() -> None:
+    setup = (
+        "from actors._worker_imports import import_redis_without_otel_sdk\n"
+        "assert import_redis_without_otel_sdk() is True\n"
+        "assert import_redis_without_otel_sdk() is False  # once: redis is in\n"
+    )
+    assert otel_state(setup) == {"redis_otel": False, "sdk_loaded": False}
+
+
+def test_a_driver_keeps_redis_opentelemetry_support() -> None:
+    # the control: the SDK is installed here, so plain redis loads it and would export metrics if asked;
+    # importing the actors package outside a Ray worker changes nothing
+    assert otel_state("import actors") == {"redis_otel": True, "sdk_loaded": True}
+    assert otel_state("from actors._worker_imports import in_ray_worker\nassert not in_ray_worker()") == {
+        "redis_otel": True,
+        "sdk_loaded": True,
+    }
