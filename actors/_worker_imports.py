@@ -3,8 +3,9 @@
 Every Tether actor (one process per live trajectory, plus relays, guards, the scheduler) imports redis-py.
 redis-py 8 imports the OpenTelemetry *SDK* at import time, only to learn whether it could export its own
 optional client metrics (``redis.observability``), which Tether never turns on: Tether's metrics go to
-Prometheus through Ray. That import is about 60 modules, ~1.3 MB of private memory and ~50 ms of a woken
-trajectory's start (``benchmarks/node_capacity.py``, issue 14). redis-py treats a missing SDK as "metrics
+Prometheus through Ray. That import is about 50 modules and 1.35 MB of private memory per worker; in a probe
+worker, importing ``actors.trajectory`` took 0.28-0.30 s without it against 0.29-0.33 s with it (5 workers
+each; ``docs/perf/capacity.md``, issue 14). redis-py treats a missing SDK as "metrics
 unavailable" (its ``OTEL_AVAILABLE`` flag); so, in Ray worker processes only, redis is imported while the
 SDK is made unimportable, and the SDK is importable again right after: code that wants it later (a user's
 tool, Ray) gets it as usual. Drivers (``tether run``, the CLI, a user's program) are left alone, so a user

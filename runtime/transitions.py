@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from runtime._handlers_common import appended
 from runtime._replace import replace
 from runtime.budget import BudgetStage
 from runtime.errors import IllegalTransition
@@ -131,8 +132,7 @@ def transition(record: TrajectoryRecord, event: StateChanged) -> TrajectoryRecor
 
     changes: dict[str, Any] = {
         "state": dst,
-        # one copy of a history that grows with the trajectory (runtime._handlers_common.appended)
-        "history": record.history + (Transition(record.log_position, src, dst, event.reason),),  # noqa: RUF005
+        "history": appended(record.history, Transition(record.log_position, src, dst, event.reason)),
     }
     if src is S.CALLING_MODEL or dst is S.CALLING_MODEL:
         changes["model_call"] = None  # one call per CALLING_MODEL episode
