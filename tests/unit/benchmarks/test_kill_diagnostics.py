@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,13 @@ def test_a_group_is_listed_with_each_members_state_until_it_is_reaped() -> None:
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
     try:
         members: list[str] = []
-        for _ in range(200):  # the child sleep starts a moment after the shell
+        deadline = time.monotonic() + 10.0
+        # the child starts a moment after the shell and runs (R) until it has exec'd sleep and gone to sleep
+        while time.monotonic() < deadline:
             members = group_members(proc.pid)
-            if len(members) == 2:
+            if len(members) == 2 and all(m.startswith("S") for m in members):
                 break
-            os.sched_yield()
+            time.sleep(0.005)
         # Then both are seen, sleeping (S) in the kernel
         assert len(members) == 2 and all(m.startswith("S") for m in members), members
     finally:
@@ -51,11 +54,12 @@ def test_a_look_from_the_known_processes_finds_the_same_group_as_a_full_scan() -
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         full: list[str] = []
-        for _ in range(200):
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # both settled asleep, so two looks a moment apart agree
             full = group_members(proc.pid)
-            if len(full) == 2:
+            if len(full) == 2 and all(m.startswith("S") for m in full):
                 break
-            os.sched_yield()
+            time.sleep(0.005)
         # When the look starts from the known processes / Then it finds the later child too (a descendant)
         assert len(full) == 2 and group_members(proc.pid, known[proc.pid]) == full
     finally:
