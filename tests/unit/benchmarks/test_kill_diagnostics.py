@@ -20,18 +20,24 @@ from benchmarks.control_latency import (
 )
 
 
+def _two_asleep(pgid: int) -> list[str]:
+    """The group's members once both of its two are asleep (the child starts a moment after the shell and
+    runs, R, until it has exec'd sleep), or the last look after 10 s: the caller's assertion judges it."""
+    members: list[str] = []
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        members = group_members(pgid)
+        if len(members) == 2 and all(m.startswith("S") for m in members):
+            break
+        time.sleep(0.005)
+    return members
+
+
 def test_a_group_is_listed_with_each_members_state_until_it_is_reaped() -> None:
     # Given a process group of two sleeping processes (a shell and its child)
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
     try:
-        members: list[str] = []
-        deadline = time.monotonic() + 10.0
-        # the child starts a moment after the shell and runs (R) until it has exec'd sleep and gone to sleep
-        while time.monotonic() < deadline:
-            members = group_members(proc.pid)
-            if len(members) == 2 and all(m.startswith("S") for m in members):
-                break
-            time.sleep(0.005)
+        members = _two_asleep(proc.pid)
         # Then both are seen, sleeping (S) in the kernel
         assert len(members) == 2 and all(m.startswith("S") for m in members), members
     finally:
@@ -53,13 +59,7 @@ def test_a_look_from_the_known_processes_finds_the_same_group_as_a_full_scan() -
         assert proc.stdin is not None
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
-        full: list[str] = []
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:  # both settled asleep, so two looks a moment apart agree
-            full = group_members(proc.pid)
-            if len(full) == 2 and all(m.startswith("S") for m in full):
-                break
-            time.sleep(0.005)
+        full = _two_asleep(proc.pid)  # both settled, so two looks a moment apart agree
         # When the look starts from the known processes / Then it finds the later child too (a descendant)
         assert len(full) == 2 and group_members(proc.pid, known[proc.pid]) == full
     finally:
