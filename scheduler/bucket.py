@@ -104,7 +104,10 @@ class ProviderLimiter:
       its call's admission time (``admitted_at``) also teaches that delay: the ledgers' window grows by the
       longest such delay of the last ``delay_memory_s`` (at most half a window), and the limit inferred
       from a 429 counts our admissions and rejections over that longer window too, so requests that
-      arrived late are not taken for a smaller limit.
+      arrived late are not taken for a smaller limit. Only a 429 the window refused teaches a delay: when
+      the provider's ``remaining`` counts still had room for the call, a shorter window refused a burst
+      (typically in a run's first second, as cold workers' first calls arrive together), a wider window
+      would not have prevented it, and its start-up delay would slow the whole run.
 
     The refill over an interval uses the rate at the interval's start; the rate only grows between
     429s, so this under-refills slightly and never admits above the configured rate.
@@ -307,12 +310,14 @@ class ProviderLimiter:
         now: float,
         info: RateLimitInfo | None = None,
         admitted_at: float | None = None,
+        reserved: int | None = None,
     ) -> None:
         """The provider answered 429: pause the key, slow down, and learn from it (class docstring).
-        ``admitted_at`` (monotonic): when the refused call was admitted, if known."""
+        ``admitted_at`` (monotonic): when the refused call was admitted, and ``reserved`` the tokens it
+        reserved, if known."""
         self.advance(now)
         self.rate_limited_count += 1
-        if admitted_at is not None and admitted_at <= now:
+        if admitted_at is not None and admitted_at <= now and not _window_had_room(info, reserved):
             self._delays.append((now, now - admitted_at))
             self._set_margin(now)
         if retry_after is None and info is not None:
@@ -434,3 +439,14 @@ class ProviderLimiter:
             if remaining is not None and remaining <= 0 and reset is not None
         ]
         return max(resets) if resets else None
+
+
+def _window_had_room(info: RateLimitInfo | None, reserved: int | None) -> bool:
+    """Whether a 429's headers show the provider's window still had room for the refused call: a request
+    left and, when stated, at least the tokens we reserved for it; then a shorter window refused it. Never
+    said when the request count is not stated: the unstated count may be the exhausted one."""
+    if info is None or info.remaining_requests is None or info.remaining_requests <= 0:
+        return False
+    if info.remaining_tokens is None:
+        return True
+    return reserved is not None and info.remaining_tokens >= reserved

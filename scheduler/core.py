@@ -203,7 +203,7 @@ class SchedulerCore:
         self._leases: dict[str, _Lease] = {}
         self._chunks: dict[str, _Chunk] = {}  # chunk leases (scheduler.lease), expiring with the leases
         # grants settled lately: (provider key, admitted at), for the report that follows the settlement
-        self._settled: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._settled: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries skipped
         # Decided outside tick (refused at submission); handed out by the next tick.
         self._ready: list[Decision] = []
@@ -469,7 +469,7 @@ class SchedulerCore:
         if lease is None or lease.kind is not RequestKind.TURN:
             return SettleResult.UNKNOWN
         del self._leases[grant_id]
-        self._settled[grant_id] = (lease.target, lease.admitted_at)
+        self._settled[grant_id] = (lease.target, lease.admitted_at, lease.reserved)
         if len(self._settled) > _SETTLED_KEPT:
             self._settled.popitem(last=False)
         lane = self._lanes[lease.target]
@@ -583,21 +583,22 @@ class SchedulerCore:
         now = self.clock.now()
         lane.limiter.observe(info, now)
         if rate_limited:
-            admitted_at = self._admitted_at(grant_id, provider_key)
-            lane.limiter.on_rate_limited(info.retry_after_s, now, info, admitted_at)
+            admitted_at, reserved = self._admission_of(grant_id, provider_key)
+            lane.limiter.on_rate_limited(info.retry_after_s, now, info, admitted_at, reserved)
             self.metrics.rate_limited(provider_key)
         self._report_levels(provider_key, lane, now)
 
-    def _admitted_at(self, grant_id: str | None, provider_key: str) -> float | None:
-        """When this scheduler admitted ``grant_id`` on ``provider_key`` (None: unknown here, e.g. a turn
-        of a leased chunk, a grant from before a restart, or one settled long ago)."""
+    def _admission_of(self, grant_id: str | None, provider_key: str) -> tuple[float | None, int | None]:
+        """When this scheduler admitted ``grant_id`` on ``provider_key`` and the tokens it reserved (None,
+        None: unknown here, e.g. a turn of a leased chunk, a grant from before a restart, or one settled
+        long ago)."""
         if grant_id is None:
-            return None
+            return None, None
         lease = self._leases.get(grant_id)
         if lease is not None:
-            return lease.admitted_at if lease.target == provider_key else None
-        key, admitted_at = self._settled.get(grant_id, ("", 0.0))
-        return admitted_at if key == provider_key else None
+            return (lease.admitted_at, lease.reserved) if lease.target == provider_key else (None, None)
+        key, admitted_at, reserved = self._settled.get(grant_id, ("", 0.0, 0))
+        return (admitted_at, reserved) if key == provider_key else (None, None)
 
     def observe_remaining(self, provider_key: str, remaining: Mapping[str, float]) -> None:
         """A successful response's ``x-ratelimit-remaining-*``: never be more optimistic than the provider."""

@@ -372,3 +372,81 @@ def test_the_scheduler_dates_a_429_by_its_grant_before_and_after_settlement() ->
     core.report_limits(other, limited, rate_limited=True, grant_id="g-elsewhere-1")
     core.report_limits(other, limited, rate_limited=True)
     assert core.snapshot().lanes[other].delay_margin_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("info", "reserved", "teaches"),
+    [
+        # the headers show room for the call in the window: a shorter window refused it
+        (RateLimitInfo(retry_after_s=0.2, remaining_requests=590, remaining_tokens=50_000), 1_000, False),
+        (RateLimitInfo(retry_after_s=0.2, remaining_requests=590), 1_000, False),
+        # the window refused it, or may have: requests or tokens ran out, or the headers do not say
+        (RateLimitInfo(retry_after_s=2.0, remaining_requests=0, remaining_tokens=50_000), 1_000, True),
+        (RateLimitInfo(retry_after_s=2.0, remaining_requests=590, remaining_tokens=400), 1_000, True),
+        (RateLimitInfo(retry_after_s=2.0, remaining_requests=590, remaining_tokens=50_000), None, True),
+        (RateLimitInfo(retry_after_s=2.0, remaining_tokens=50_000), 1_000, True),
+        (RateLimitInfo(retry_after_s=2.0), 1_000, True),
+    ],
+)
+def test_only_a_429_the_window_refused_teaches_a_delay(
+    info: RateLimitInfo, reserved: int | None, teaches: bool
+) -> None:
+    limits = ProviderLimits(tokens_per_minute=60_000, requests_per_minute=600, headroom=0.0)
+    limiter = ProviderLimiter(limits, FeedbackConfig(), now=0.0)
+    limiter.on_rate_limited(info.retry_after_s, 100.0, info, admitted_at=96.0, reserved=reserved)
+    assert limiter.delay_margin_s == (4.0 if teaches else 0.0)
+
+
+def admitted_per_window_after_a_cold_start(refusal: RateLimitInfo) -> list[int]:
+    """A token-bound key (60k TPM, 600 RPM, 1,000-token turns) kept saturated for six minutes. In its first
+    second one call, admitted 4 s earlier by a cold worker, is refused by the provider's per-second window,
+    answered with ``refusal``. Returns the admissions in each full minute after the first."""
+    clock = FakeClock()
+    limits = ProviderLimits(tokens_per_minute=60_000, requests_per_minute=600, headroom=0.05)
+    core = SchedulerCore(SchedulerConfig(providers={KEY: limits}), clock, id_prefix="cold")
+    clock.advance(WINDOW)  # the buckets fill
+    admitted: list[float] = []
+    tickets = itertools.count()
+
+    def submit() -> None:
+        core.submit_turn(TurnRequest(f"t{next(tickets)}", "standard", KEY, 1_000, clock.wall() + 3600))
+
+    for _ in range(20):
+        submit()
+    start = clock.now()
+    first = [d.grant.grant_id for d in core.tick() if isinstance(d, Admitted)]
+    admitted += [clock.now()] * len(first)
+    clock.advance(4.0)
+    core.settle_turn(first[0], 0)
+    core.report_limits(KEY, refusal, rate_limited=True, grant_id=first[0])
+    for grant_id in first[1:]:
+        core.settle_turn(grant_id, 1_000)
+    for _ in first:
+        submit()
+    while clock.now() < start + 6 * WINDOW:
+        for decision in core.tick():
+            assert isinstance(decision, Admitted)
+            admitted.append(clock.now())
+            core.settle_turn(decision.grant.grant_id, 1_000)
+            submit()
+        clock.advance(0.25)
+    minutes = [start + m * WINDOW for m in range(1, 6)]
+    return [sum(1 for t in admitted if m <= t < m + WINDOW) for m in minutes]
+
+
+BURST = RateLimitInfo(retry_after_s=0.5, remaining_requests=590, remaining_tokens=50_000)
+
+
+def test_a_burst_refused_in_the_first_second_does_not_slow_the_run() -> None:
+    # Given the provider's 429 in the first second says the minute has room (590 requests, 50k tokens left)
+    # Then every later minute admits the key's capacity (57 of its 60 turns a minute, the 5 % headroom kept)
+    assert admitted_per_window_after_a_cold_start(BURST) == [57] * 5
+
+
+def test_control_learning_the_delay_from_every_429_slows_every_later_minute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control of the test above: the rule before this check (every 429 with a grant teaches its delay)
+    learns the cold start's 4 s, and the ledger's 64 s window holds every later minute below the capacity."""
+    monkeypatch.setattr("scheduler.bucket._window_had_room", lambda info, reserved: False)
+    assert all(n < 57 for n in admitted_per_window_after_a_cold_start(BURST))
