@@ -134,3 +134,25 @@ def test_the_run_returns_although_its_status_sampler_lost_its_cancellation(
     results = asyncio.run(_within(driver.run(), 30.0))
     # Then the run returns its results instead of waiting for the sampler
     assert {r.name for r in results} == {"stuck", "also-stuck"}
+
+
+def test_a_cancelled_run_leaves_no_trajectory_followed(
+    redis_url: str, stuck_actors: dict[str, _NeverAnswers]
+) -> None:
+    # Given trajectories with an hour to go, whose actors do not answer yet
+    driver = _driver(redis_url, created_at=time.time() + 3600)
+
+    async def cancel_the_run() -> list[Any]:
+        run = asyncio.ensure_future(driver.run())
+        while len(stuck_actors) < 2:  # both followed: each actor's run() is awaited
+            await asyncio.sleep(0.01)
+        # When the run itself is cancelled (Ctrl-C: asyncio cancels the driver's task)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        current = asyncio.current_task()
+        return [t.get_coro() for t in asyncio.all_tasks() if t is not current and not t.done()]
+
+    # Then nothing it started is still running (left to the loop's shutdown, the follows' cancellation was
+    # reported as "_GatheringFuture exception was never retrieved", with a traceback per trajectory)
+    assert asyncio.run(cancel_the_run()) == []
