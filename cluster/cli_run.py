@@ -2,12 +2,13 @@
 
 Exit codes: 0 every trajectory ended as expected; 1 some ended in another state than its
 ``expected_state`` (or its actor failed); 2 bad workload or options; 4 a dependency (Redis, Ray, the
-provider) could not be reached; 130 interrupted (everything started was stopped).
+provider) could not be reached; 130 interrupted by Ctrl-C or SIGTERM (everything started was stopped).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def run(
         relays=relays,
         metrics_port=metrics_port,
     )
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         result = _run(wl, options, console)
     except KeyboardInterrupt:
@@ -87,6 +89,8 @@ def run(
     except DependencyError as e:
         typer.echo(f"tether run: {e}", err=True)
         raise typer.Exit(4) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     Console(width=None if sys.stdout.isatty() else 140).print(_table(wl, result))
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -101,8 +105,19 @@ def run(
         raise typer.Exit(1)
 
 
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM (``kill``, ``timeout``, a service manager) stops the run as Ctrl-C does: through asyncio's own
+    SIGINT handling, which cancels the driver so it stops what it started. Where SIGINT is ignored (a
+    shell's background job), asyncio does not handle it, so the interrupt is raised here."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
+
+
 def _run(wl: Workload, options: RunOptions, console: Console) -> RunResult:
     with Services(wl, options) as services:
+        # again: ``ray.init`` installs its own SIGTERM handler (``sys.exit(15)``), which skipped the stop
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
         columns = (
             TextColumn("[bold]{task.description}"),
             BarColumn(),
