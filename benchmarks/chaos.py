@@ -364,7 +364,7 @@ def run_seed(seed: int, head: RayHead, config: ChaosConfig, trajectories: int, w
                 injector.notes.append(
                     f"tether run still running after {config.run_bound_s:.0f}s: interrupted"
                 )
-                os.killpg(proc.pid, signal.SIGINT)
+                os.killpg(proc.pid, signal.SIGTERM)  # as Ctrl-C, also where SIGINT is ignored
                 try:
                     exit_code = proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:

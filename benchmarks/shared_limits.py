@@ -143,11 +143,13 @@ def _env(home: Path, redis_url: str) -> dict[str, str]:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGINT each job's process group (``tether run`` stops its trajectories), SIGKILL stragglers."""
+    """SIGTERM each job's process group (``tether run`` stops its trajectories, as on Ctrl-C), SIGKILL
+    stragglers. Not SIGINT: run from a shell's background job, the jobs inherit SIGINT ignored and each one
+    sat out the 90 s before its SIGKILL."""
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
+                os.killpg(proc.pid, signal.SIGTERM)
     for proc in procs:
         try:
             proc.wait(timeout=90)
