@@ -43,6 +43,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +54,30 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.model_outcomes import ModelCallFailed, ModelRateLimited
 from runtime.clock import Clock, SystemClock
 from runtime.errors import ModelCallCancelled
-from runtime.ports import CancelToken, ModelReply, ModelRequest, RateLimitInfo, Usage
+from runtime.ports import (
+    AdmissionPort,
+    CancelToken,
+    ModelReply,
+    ModelRequest,
+    RateLimitInfo,
+    SandboxPermit,
+    TurnGrant,
+    TurnRequest,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from actors.model_openai import OpenAIModel
     from actors.provider_tally import RedisProviderTally
 
-__all__ = ["NAMESPACE", "ModelClientActor", "ModelTarget", "RayModelClient", "client_actor_name"]
+__all__ = [
+    "NAMESPACE",
+    "AdmitWhenWarm",
+    "ModelClientActor",
+    "ModelTarget",
+    "RayModelClient",
+    "client_actor_name",
+]
 
 NAMESPACE = "tether"
 _EARLY_CANCELS = 4_096  # cancels that arrived before their call (bounded: one that never comes is dropped)
@@ -423,3 +441,57 @@ class RayModelClient:
                 usage=Usage(),
             )
         return outcome
+
+
+class AdmitWhenWarm:
+    """A trajectory's :class:`runtime.ports.AdmissionPort` that has the node's model client ready before it
+    asks for its first turn.
+
+    The scheduler spaces admissions so that the provider's windows hold, down to its per-second share of a
+    per-minute limit; but it dates an admission when it grants it, the provider when the call arrives. At the
+    start of a run the node's client actor is still being created (a new worker process, the ``openai``
+    import): the calls granted meanwhile queue in front of it and reach the provider together, a burst its
+    sub-second window refuses (10 x 429 in the first second of two 10-trajectory jobs). So the first
+    ``admit_turn`` of an incarnation warms the client (``RayModelClient.warm``) before it asks, bounded by
+    ``timeout_s``; a warm that fails or overruns is logged and the admission asked anyway (the call path
+    finds or creates the client itself). Everything else passes straight through.
+    """
+
+    def __init__(
+        self, inner: AdmissionPort, client: RayModelClient, timeout_s: float, name: str = "trajectory"
+    ) -> None:
+        self._inner = inner
+        self._client = client
+        self._timeout_s = timeout_s
+        self._name = name
+        self._warmed = False
+
+    async def admit_turn(self, request: TurnRequest) -> TurnGrant:
+        if not self._warmed:
+            try:
+                await asyncio.wait_for(self._client.warm(), self._timeout_s)
+            except Exception as e:  # warming only spaces the first calls: never a reason not to admit
+                _log.warning("%s: the node's model client was not warmed: %r", self._name, e)
+            self._warmed = True  # a cancelled warm (the trajectory stopping) leaves it for the next turn
+        return await self._inner.admit_turn(request)
+
+    async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
+        await self._inner.settle_turn(grant_id, actual_tokens)
+
+    async def report_rate_limited(
+        self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
+    ) -> None:
+        await self._inner.report_rate_limited(provider_key, retry_after, remaining)
+
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
+        await self._inner.report_limits(provider_key, info, rate_limited, grant_id)
+
+    async def acquire_sandbox(
+        self, trajectory_id: str, pool: str, priority_class: str, deadline: float
+    ) -> SandboxPermit:
+        return await self._inner.acquire_sandbox(trajectory_id, pool, priority_class, deadline)
+
+    async def release_sandbox(self, permit_id: str) -> None:
+        await self._inner.release_sandbox(permit_id)

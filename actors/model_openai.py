@@ -162,8 +162,9 @@ class OpenAIModel:
         return self._client
 
     def warm(self) -> None:
-        """Build the HTTP client (and import ``openai``) now, not on the first call."""
-        self._api()
+        """Build the HTTP client (and import ``openai`` with the chat resources it loads on first use) now,
+        not on the first call."""
+        _ = self._api().chat.completions.with_streaming_response
 
     async def aclose(self) -> None:
         """Close the underlying HTTP client (if a call ever built it)."""

@@ -38,7 +38,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import redis.asyncio as aioredis
@@ -70,9 +70,11 @@ from runtime.inputs import ControlReceived, ControlRefused
 from runtime.memstore import check_trajectory_id
 from runtime.metrics import Metrics
 from runtime.observe import HookChain, MetricsHooks
-from runtime.ports import AdmissionPort, GuardPort, ModelPort
+from runtime.ports import AdmissionPort, GuardPort
 from runtime.record import AuditKind, ControlAction, Lease, LeaseKind, TrajectoryRecord
-from runtime.states import TERMINAL_STATES
+
+if TYPE_CHECKING:
+    from actors.model_client import RayModelClient
 
 __all__ = [
     "NAMESPACE",
@@ -173,7 +175,6 @@ class TrajectoryActor:
         self._loop_task: asyncio.Task[RunOutcome] | None = None
         self._exiting = False
         self._run_callers = 0
-        self._model_client: Any = None  # the node's model client port (model_placement: node)
 
     # ------------------------------------------------------------------ Ray methods
 
@@ -409,15 +410,16 @@ class TrajectoryActor:
             guard = self._guard()
             sandbox = self._sandbox = self._make_sandbox()
             timers = self._adapters.timer_store(launch.redis_url)
+            model = self._model()
             self._built = build_ports(
                 launch,
                 self._clock,
-                admission=self._admission(),
+                admission=self._admission(model),
                 guard=guard,
                 logs=self._adapters,
                 sandbox=sandbox,
                 timers=timers,
-                model=self._model(),
+                model=model,
             )
             self._built.closers.append(timers.close)
             self._built.ports.leases = _SandboxLeases(sandbox)
@@ -463,7 +465,7 @@ class TrajectoryActor:
             _log.warning("no sandbox for %s: %s", self.launch.trajectory_id, e)
             return None
 
-    def _model(self) -> ModelPort | None:
+    def _model(self) -> RayModelClient | None:
         """The node's model client (None: ``model_placement: trajectory``, the in-process adapter)."""
         if self.launch.model_placement != "node":
             return None
@@ -471,18 +473,23 @@ class TrajectoryActor:
 
         provider = self.launch.provider
         target = ModelTarget(provider.base_url, provider.api_key_env, tally_redis_url=self.launch.redis_url)
-        client = RayModelClient(target, clock=self._clock)
-        self._model_client = client
-        return client
+        return RayModelClient(target, clock=self._clock)
 
-    def _admission(self) -> AdmissionPort:
+    def _admission(self, model: RayModelClient | None) -> AdmissionPort:
+        """The scheduler actor's handle (or ``AlwaysAdmit``); with the node's model client, it warms that
+        client before the first admission (``AdmitWhenWarm``: calls granted while the client starts would
+        reach the provider in one burst)."""
+        from actors.model_client import AdmitWhenWarm
         from scheduler.actor import SCHEDULER_NAME, SCHEDULER_NAMESPACE, SchedulerHandle
         from scheduler.inprocess import AlwaysAdmit
 
+        admission: AdmissionPort = AlwaysAdmit(clock=self._clock)
         if self.launch.use_scheduler:
             with contextlib.suppress(ValueError):
-                return SchedulerHandle(ray.get_actor(SCHEDULER_NAME, namespace=SCHEDULER_NAMESPACE))
-        return AlwaysAdmit(clock=self._clock)
+                admission = SchedulerHandle(ray.get_actor(SCHEDULER_NAME, namespace=SCHEDULER_NAMESPACE))
+        if model is None:
+            return admission
+        return AdmitWhenWarm(admission, model, _WARM_TIMEOUT_S, self.launch.trajectory_id)
 
     def _guard(self) -> GuardPort:
         tid = self.launch.trajectory_id
@@ -495,18 +502,6 @@ class TrajectoryActor:
 
         return SplitGuard(GuardHandle(holder=tid), local, frozenset({LOCAL_SCOPE}))
 
-    async def _warm_model(self) -> None:
-        """The node's model client ready before the first admission (``ModelClientActor.warm``: calls admitted
-        while it starts would reach the provider in one burst). Bounded; a failure only logs, the first model
-        call finds or creates the client itself."""
-        client = self._model_client
-        if client is None or self._harness is None or self._harness.record.state in TERMINAL_STATES:
-            return
-        try:
-            await asyncio.wait_for(client.warm(), _WARM_TIMEOUT_S)
-        except Exception as e:  # warming is an optimisation: the call path finds the client itself
-            _log.warning("%s: the node's model client was not warmed: %r", self.launch.trajectory_id, e)
-
     def _ensure_running(self) -> asyncio.Task[RunOutcome]:
         # One loop per incarnation: harness.run() only returns terminal or hibernated, and both are final
         # for this process (a hibernated actor exits; a woken trajectory runs in a new incarnation).
@@ -516,7 +511,6 @@ class TrajectoryActor:
 
     async def _loop(self) -> RunOutcome:
         harness = await self._started()
-        await self._warm_model()
         outcome = await harness.run()
         assert self._status is not None
         if outcome.hibernated:
