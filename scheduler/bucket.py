@@ -85,7 +85,13 @@ class ProviderLimiter:
     Each bucket is paired with a sliding-window ledger of the same capacity, so admissions in any
     window of ``window_s`` (a minute) never exceed it either: providers count per-minute limits over a
     sliding window, where a bucket alone would allow a full burst plus a full minute of refill. Two more
-    ledgers keep every sub-window (``ProviderLimits.sub_window``) within the provider's share of it.
+    ledgers keep every sub-window (``ProviderLimits.sub_window``) within the provider's share of it, and a
+    third paces the requests within it (``sub_window_burst``): turns ready at once are granted a burst at a
+    time (5 % of the share, at least one), the rest spaced evenly over the sub-window. Our ledgers date a
+    call when it is granted, the provider when it arrives; a burst granted at once arrives spread out (its
+    callers queue for the CPU, the node's model client sends one call after another), so the calls granted
+    the moment its sub-window frees, sent at once, met its tail in the provider's second. Leased chunks are
+    not paced: they are granted only to an uncontended key, within every window and sub-window.
 
     - The limit itself is learned (``scheduler.learning``): the buckets and ledgers are sized to the
       smallest of the configured limit, the provider's stated ``x-ratelimit-limit-*`` and the limit
@@ -123,6 +129,8 @@ class ProviderLimiter:
         self.request_window = WindowLedger(limits.request_capacity, limits.window_s)
         self.sub_token_window: WindowLedger | None = None
         self.sub_request_window: WindowLedger | None = None
+        # the sub-window's pacing (ProviderLimits.sub_window_burst): a burst's requests per its share of time
+        self.pace: WindowLedger | None = None
         if limits.sub_window > 0:
             span = limits.sub_window * (1.0 + limits.sub_window_margin)
             if limits.sub_window_tokens:
@@ -130,6 +138,8 @@ class ProviderLimiter:
                     limits.sub_share(limits.tokens_per_minute), span, alone_fits=True
                 )
             self.sub_request_window = WindowLedger(limits.sub_share(limits.requests_per_minute), span)
+            self.pace = WindowLedger(1, span)
+            self._pace_to(self.sub_request_window)
         self.rate_factor = 1.0
         self.blocked_until = -math.inf
         self.rate_limited_count = 0
@@ -183,9 +193,20 @@ class ProviderLimiter:
             self.sub_request_window.capacity = self.limits.sub_share(
                 math.ceil(self.learned_requests.effective)
             )
+            self._pace_to(self.sub_request_window)
         if self.sub_token_window is not None:
             self.sub_token_window.capacity = self.limits.sub_share(math.ceil(self.learned_tokens.effective))
         self._apply_rate()
+
+    def _pace_to(self, sub: WindowLedger) -> None:
+        """Pace the sub-window: ``burst`` requests per ``burst / share`` of it (no pacing: the whole share
+        per sub-window, which the sub-window ledger already holds)."""
+        if self.pace is None:
+            return
+        share = round(sub.capacity)
+        burst = self.limits.sub_burst(share)
+        self.pace.capacity = burst
+        self.pace.window_s = sub.window_s * burst / share
 
     # ------------------------------------------------------------------ admission
 
@@ -203,6 +224,7 @@ class ProviderLimiter:
             and self.request_window.covers(1, now)
             and (self.sub_token_window is None or self.sub_token_window.covers(cost, now))
             and (self.sub_request_window is None or self.sub_request_window.covers(1, now))
+            and (self.pace is None or self.pace.covers(1, now))
         )
 
     def admit(self, cost: int, now: float) -> int:
@@ -217,6 +239,8 @@ class ProviderLimiter:
         ledger_id = self.token_window.add(cost, now)
         if self.sub_request_window is not None:
             self.sub_request_window.add(1, now)
+        if self.pace is not None:
+            self.pace.add(1, now)
         if self.sub_token_window is not None:
             self.sub_token_window.add(cost, now, entry_id=ledger_id)  # one id: settle corrects both
         return ledger_id
@@ -291,6 +315,7 @@ class ProviderLimiter:
             self.request_window.ready_at(1, now),
             -math.inf if self.sub_token_window is None else self.sub_token_window.ready_at(cost, now),
             -math.inf if self.sub_request_window is None else self.sub_request_window.ready_at(1, now),
+            -math.inf if self.pace is None else self.pace.ready_at(1, now),
         )
 
     def settle(self, reserved: int, actual: int, now: float, ledger_id: int | None = None) -> None:

@@ -59,6 +59,13 @@ class ProviderLimits(_Frozen):
     sub_window_s: float | None = Field(default=None, ge=0.0)
     sub_window_tokens: bool = False
     sub_window_margin: float = Field(default=0.05, ge=0.0, lt=1.0)
+    # Pacing within the sub-window: admissions at once are at most this share of the sub-window's requests
+    # (at least one); the rest are spaced evenly over it. Our ledgers date a call when it is granted, the
+    # provider when it arrives: a burst granted at once reaches the provider spread out (its callers
+    # queue for the CPU, the node's model client sends one call after another), and the calls granted the
+    # moment its sub-window frees arrive promptly, into the same second of the provider as the burst's
+    # tail. Spaced grants are sent as they come. None: no pacing (bursts of the whole share).
+    sub_window_burst: float | None = Field(default=0.05, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _room_for_one_request(self) -> Self:
@@ -85,6 +92,12 @@ class ProviderLimits(_Frozen):
     def sub_share(self, per_window: int) -> int:
         """The provider's limit per sub-window for a per-window limit (at least 1)."""
         return max(1, math.ceil(per_window * self.sub_window / self.window_s))
+
+    def sub_burst(self, share: int) -> int:
+        """The most requests admitted at once under a sub-window share (``sub_window_burst``)."""
+        if self.sub_window_burst is None:
+            return share
+        return max(1, math.floor(share * self.sub_window_burst))
 
     @property
     def token_capacity(self) -> float:

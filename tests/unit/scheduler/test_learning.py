@@ -352,7 +352,10 @@ def test_the_delay_margin_is_forgotten_after_its_memory() -> None:
 
 def test_the_scheduler_dates_a_429_by_its_grant_before_and_after_settlement() -> None:
     clock = FakeClock()
-    limits = ProviderLimits(tokens_per_minute=1_000_000, requests_per_minute=600, headroom=0.0)
+    # (no pacing: both turns are granted in one tick)
+    limits = ProviderLimits(
+        tokens_per_minute=1_000_000, requests_per_minute=600, headroom=0.0, sub_window_burst=None
+    )
     other = "http://other/v1|model"
     core = SchedulerCore(SchedulerConfig(providers={KEY: limits, other: limits}), clock, id_prefix="d")
     clock.advance(60.0)
