@@ -191,6 +191,7 @@ class ModelClientActor:
         self._retiring = False
         self._watch: asyncio.Task[None] | None = None
         self._models: dict[ModelTarget, OpenAIModel] = {}
+        self._connecting: dict[ModelTarget, asyncio.Task[bool]] = {}  # one ``connect`` per target (warm)
         self._tallies: dict[str, RedisProviderTally] = {}
         self._tokens: dict[str, CancelToken] = {}
         self._early: OrderedDict[str, str] = OrderedDict()  # call id -> reason, for a cancel before its call
@@ -246,14 +247,20 @@ class ModelClientActor:
             self._last_call = time.monotonic()
 
     async def warm(self, target: ModelTarget) -> bool:
-        """Build ``target``'s adapter (the ``openai`` import, its HTTP client) ahead of the first call; False:
-        this client is retiring. A trajectory warms its node's client before it asks for its first admission,
+        """Build ``target``'s adapter (the ``openai`` import, its HTTP client) and open a connection to the
+        provider (``OpenAIModel.connect``, once per target) ahead of the first call; False: this client is
+        retiring. A trajectory warms its node's client before it asks for its first admission,
         so the calls admitted while this actor started (or imported ``openai``, which holds its event loop)
         do not queue here and reach the provider together: a burst the scheduler spaced out, which a
         provider's sub-minute window refuses (429s at the start of a run)."""
         if self._retiring:
             return False
-        self._model(target).warm()
+        model = self._model(target)
+        model.warm()
+        connecting = self._connecting.get(target)
+        if connecting is None:
+            connecting = self._connecting[target] = asyncio.get_running_loop().create_task(model.connect())
+        await asyncio.shield(connecting)
         self._last_call = time.monotonic()
         return True
 

@@ -309,6 +309,26 @@ async def test_connection_refused_is_retryable() -> None:
     assert not info.value.non_retryable and info.value.status is None
 
 
+async def test_connect_opens_a_connection_without_a_completion(server: ProviderServer) -> None:
+    # Given an adapter that has made no call yet
+    model = OpenAIModel(base_url=server.base_url)
+    # When it connects ahead of its first call (GET /models)
+    assert await model.connect()
+    # Then the provider counted no completion request and no limit was touched
+    stats = server.stats()
+    assert (stats["requests"], stats["accepted"], stats["rate_limited"]) == (0, 0, 0)
+    reply = await model.complete(request("finish_after:0"), CancelToken())
+    assert reply.usage.output > 0
+    assert server.stats()["requests"] == 1
+    await model.aclose()
+
+
+async def test_connect_to_nothing_is_given_up_and_said() -> None:
+    model = OpenAIModel(base_url=f"http://127.0.0.1:{free_port()}/v1")
+    assert not await model.connect()  # refused at once: the first call will open its own connection
+    await model.aclose()
+
+
 # --------------------------------------------------------------------------- the node's model client
 
 
