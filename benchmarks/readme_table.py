@@ -104,8 +104,10 @@ def shared_limits(d: Mapping[str, Any]) -> str:
     parts = []
     for name, p in d["policies"].items():
         shares = "/".join(_s(v, 2) for v in p["job_share"].values())
+        before = p.get("rate_limited_before")  # recorded since the start-up burst was fixed
+        start = f" (start-up and warm-up: {_s(before)})" if before is not None else ""
         parts.append(
-            f"**{name}** combined goodput {_s(p['goodput_ratio'], 3)}, 429s {_s(p['rate_limited'])}, "
+            f"**{name}** combined goodput {_s(p['goodput_ratio'], 3)}, 429s {_s(p['rate_limited'])}{start}, "
             f"job shares of the tokens {shares}"
         )
     s = d.get("settings") or {}

@@ -36,13 +36,16 @@ def test_the_readme_row_shows_each_policys_goodput_429s_and_job_shares(tmp_path:
     }
     result = {
         "jobs": 2,
-        "policies": {"tether": policy, "backoff": {**policy, "rate_limited": spread([9.0, 12.0, 30.0], 0)}},
+        "policies": {
+            "tether": {**policy, "rate_limited_before": spread([0.0, 1.0, 0.0], 0)},
+            "backoff": {**policy, "rate_limited": spread([9.0, 12.0, 30.0], 0)},
+        },
         "settings": {"per_job": 10, "tpm": 60_000},
         "commit": {"sha": "0123456789abcdef", "dirty": False},
         "environment": {"measured_at": "2026-12-01T12:00:00Z"},
     }
     (tmp_path / "shared_limits.json").write_text(json.dumps(result))
     row = next(line for line in table(tmp_path).splitlines() if "`shared_limits`" in line)
-    assert "**tether** combined goodput 0.960 [0.950-0.970], 429s 0" in row
-    assert "**backoff** combined goodput 0.960 [0.950-0.970], 429s 12 [9-30]" in row
+    assert "**tether** combined goodput 0.960 [0.950-0.970], 429s 0 (start-up and warm-up: 0 [0-1])," in row
+    assert "**backoff** combined goodput 0.960 [0.950-0.970], 429s 12 [9-30], job" in row  # not recorded
     assert "2 jobs x 10 trajectories" in row and "60,000 TPM" in row
