@@ -43,7 +43,6 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +56,10 @@ from runtime.errors import ModelCallCancelled
 from runtime.ports import (
     AdmissionPort,
     CancelToken,
+    ForwardingAdmission,
     ModelReply,
     ModelRequest,
     RateLimitInfo,
-    SandboxPermit,
     TurnGrant,
     TurnRequest,
     Usage,
@@ -450,7 +449,7 @@ class RayModelClient:
         return outcome
 
 
-class AdmitWhenWarm:
+class AdmitWhenWarm(ForwardingAdmission):
     """A trajectory's :class:`runtime.ports.AdmissionPort` that has the node's model client ready before it
     asks for its first turn.
 
@@ -467,7 +466,7 @@ class AdmitWhenWarm:
     def __init__(
         self, inner: AdmissionPort, client: RayModelClient, timeout_s: float, name: str = "trajectory"
     ) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._client = client
         self._timeout_s = timeout_s
         self._name = name
@@ -480,25 +479,4 @@ class AdmitWhenWarm:
             except Exception as e:  # warming only spaces the first calls: never a reason not to admit
                 _log.warning("%s: the node's model client was not warmed: %r", self._name, e)
             self._warmed = True  # a cancelled warm (the trajectory stopping) leaves it for the next turn
-        return await self._inner.admit_turn(request)
-
-    async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
-        await self._inner.settle_turn(grant_id, actual_tokens)
-
-    async def report_rate_limited(
-        self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
-    ) -> None:
-        await self._inner.report_rate_limited(provider_key, retry_after, remaining)
-
-    async def report_limits(
-        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
-    ) -> None:
-        await self._inner.report_limits(provider_key, info, rate_limited, grant_id)
-
-    async def acquire_sandbox(
-        self, trajectory_id: str, pool: str, priority_class: str, deadline: float
-    ) -> SandboxPermit:
-        return await self._inner.acquire_sandbox(trajectory_id, pool, priority_class, deadline)
-
-    async def release_sandbox(self, permit_id: str) -> None:
-        await self._inner.release_sandbox(permit_id)
+        return await self.inner.admit_turn(request)

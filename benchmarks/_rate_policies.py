@@ -48,11 +48,10 @@ from runtime.memstore import MemoryLogStore
 from runtime.ports import (
     AdmissionPort,
     CancelToken,
+    ForwardingAdmission,
     ModelPort,
     ModelReply,
     ModelRequest,
-    RateLimitInfo,
-    SandboxPermit,
     TurnGrant,
     TurnRequest,
 )
@@ -134,37 +133,22 @@ def goal_text(cls: ClassSpec, rng: random.Random) -> str:
 # ----------------------------------------------------------------------------- Tether (decider + interpreter)
 
 
-class TracedAdmission:
+class TracedAdmission(ForwardingAdmission):
     """The scheduler port, noting when a turn became ready (its first admission request)."""
 
     def __init__(self, inner: AdmissionPort, trace: Trace) -> None:
-        self.inner, self.trace = inner, trace
+        super().__init__(inner)
+        self.trace = trace
 
     async def admit_turn(self, request: TurnRequest) -> TurnGrant:
         self.trace.turn_ready(request.trajectory_id)
         return await self.inner.admit_turn(request)
-
-    async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
-        await self.inner.settle_turn(grant_id, actual_tokens)
 
     async def report_rate_limited(
         self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
     ) -> None:
         self.trace.client_429s += self.trace.measuring
         await self.inner.report_rate_limited(provider_key, retry_after, remaining)
-
-    async def report_limits(
-        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
-    ) -> None:
-        await self.inner.report_limits(provider_key, info, rate_limited, grant_id)
-
-    async def acquire_sandbox(
-        self, trajectory_id: str, pool: str, priority_class: str, deadline: float
-    ) -> SandboxPermit:
-        return await self.inner.acquire_sandbox(trajectory_id, pool, priority_class, deadline)
-
-    async def release_sandbox(self, permit_id: str) -> None:
-        await self.inner.release_sandbox(permit_id)
 
 
 class TracedModel:

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "AdmissionPort",
     "CancelToken",
+    "ForwardingAdmission",
     "GuardPermit",
     "GuardPort",
     "LogStore",
@@ -323,6 +324,38 @@ class AdmissionPort(Protocol):
     ) -> SandboxPermit: ...
 
     async def release_sandbox(self, permit_id: str) -> None: ...
+
+
+class ForwardingAdmission:
+    """An :class:`AdmissionPort` that passes every call to ``inner``: the base of wrappers that add to some
+    of them (``actors.model_client.AdmitWhenWarm``, a benchmark's trace)."""
+
+    def __init__(self, inner: AdmissionPort) -> None:
+        self.inner = inner
+
+    async def admit_turn(self, request: TurnRequest) -> TurnGrant:
+        return await self.inner.admit_turn(request)
+
+    async def settle_turn(self, grant_id: str, actual_tokens: int) -> None:
+        await self.inner.settle_turn(grant_id, actual_tokens)
+
+    async def report_rate_limited(
+        self, provider_key: str, retry_after: float | None, remaining: Mapping[str, float]
+    ) -> None:
+        await self.inner.report_rate_limited(provider_key, retry_after, remaining)
+
+    async def report_limits(
+        self, provider_key: str, info: RateLimitInfo, rate_limited: bool, grant_id: str | None = None
+    ) -> None:
+        await self.inner.report_limits(provider_key, info, rate_limited, grant_id)
+
+    async def acquire_sandbox(
+        self, trajectory_id: str, pool: str, priority_class: str, deadline: float
+    ) -> SandboxPermit:
+        return await self.inner.acquire_sandbox(trajectory_id, pool, priority_class, deadline)
+
+    async def release_sandbox(self, permit_id: str) -> None:
+        await self.inner.release_sandbox(permit_id)
 
 
 # --------------------------------------------------------------------------- dependency guard
