@@ -138,8 +138,9 @@ class ProviderLimiter:
                     limits.sub_share(limits.tokens_per_minute), span, alone_fits=True
                 )
             self.sub_request_window = WindowLedger(limits.sub_share(limits.requests_per_minute), span)
-            self.pace = WindowLedger(1, span)
-            self._pace_to(self.sub_request_window)
+            if limits.sub_window_burst is not None:  # off: the sub-window ledger alone, no second copy of it
+                self.pace = WindowLedger(1, span)
+                self._pace_to(self.sub_request_window)
         self.rate_factor = 1.0
         self.blocked_until = -math.inf
         self.rate_limited_count = 0
@@ -199,8 +200,7 @@ class ProviderLimiter:
         self._apply_rate()
 
     def _pace_to(self, sub: WindowLedger) -> None:
-        """Pace the sub-window: ``burst`` requests per ``burst / share`` of it (no pacing: the whole share
-        per sub-window, which the sub-window ledger already holds)."""
+        """Pace the sub-window: ``burst`` requests per ``burst / share`` of it."""
         if self.pace is None:
             return
         share = round(sub.capacity)
