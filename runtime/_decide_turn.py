@@ -26,7 +26,7 @@ from runtime._decide_finalize import abandon_calls, enter_finalizing, finalize, 
 from runtime._decide_tools import route
 from runtime._step import STOPS, Step
 from runtime.budget import BudgetStage, Dimension, assess
-from runtime.context import context_of, estimate_from_chars
+from runtime.context import anchored_estimate, context_of, estimate_from_chars
 from runtime.effects import (
     CallModel,
     CancelModelStream,
@@ -283,7 +283,7 @@ def _affordable_max_tokens(step: Step, prompt_estimate: int) -> int | None:
 
 
 def _tools_and_messages(step: Step) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """The tools and messages of the next call, and its prompt estimate (``estimate_tokens`` of both).
+    """The tools and messages of the next call, and its plain prompt estimate (``estimate_tokens`` of both).
     A turn asks twice (at the request and at the grant) and each turn extends the last: both are cached
     in ``runtime.context`` and the registry, so a turn costs what it added to the transcript."""
     rec = step.record
@@ -296,7 +296,8 @@ def _tools_and_messages(step: Step) -> tuple[list[dict[str, Any]], list[dict[str
 
 
 def _request_turn(step: Step) -> bool:
-    _, _, prompt = _tools_and_messages(step)
+    _, _, basis = _tools_and_messages(step)
+    prompt = anchored_estimate(basis, step.record.prompt_anchor)
     max_tokens = _affordable_max_tokens(step, prompt)
     if max_tokens is None:
         if step.policy.reserve.dollars > 0 and supervise.reserve_reached(step):
@@ -305,7 +306,7 @@ def _request_turn(step: Step) -> bool:
         return True
     rec = step.record
     request_id = step.new_id("turn")
-    step.emit(TurnRequested(request_id, prompt + max_tokens, max_tokens, prompt))
+    step.emit(TurnRequested(request_id, prompt + max_tokens, max_tokens, prompt, basis))
     forward = step.forward_deadline
     queue_until = forward if forward is not None else step.now + _NO_DEADLINE_QUEUE_S
     request = TurnRequest(
@@ -347,7 +348,12 @@ def on_admission_granted(step: Step, inp: AdmissionGranted) -> None:
     step.emit(StateChanged(S.READY, S.CALLING_MODEL, "admitted"))
     step.emit(
         ModelCallIntent(
-            grant.grant_id, rec.limits.model, request.max_tokens, call_deadline, request.prompt_tokens
+            grant.grant_id,
+            rec.limits.model,
+            request.max_tokens,
+            call_deadline,
+            request.prompt_tokens,
+            request.prompt_basis,
         )
     )
     tools, messages, _ = _tools_and_messages(step)

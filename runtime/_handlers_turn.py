@@ -27,7 +27,7 @@ from runtime.events import (
     TurnStarted,
 )
 from runtime.ports import StopReason, Usage
-from runtime.record import ModelCall, ModelOutcome, TrajectoryRecord, TurnRequestState
+from runtime.record import ModelCall, ModelOutcome, PromptAnchor, TrajectoryRecord, TurnRequestState
 from runtime.states import ExitReason, TrajectoryState
 
 S = TrajectoryState
@@ -59,7 +59,9 @@ def _turn_requested(rec: TrajectoryRecord, ev: TurnRequested) -> TrajectoryRecor
     require_state(rec, ev, S.READY)
     if rec.turn_request is not None:
         refuse(rec, ev, "turn_already_requested", f"request {rec.turn_request.request_id!r} stands")
-    request = TurnRequestState(ev.request_id, ev.estimated_tokens, ev.max_tokens, ev.prompt_tokens)
+    request = TurnRequestState(
+        ev.request_id, ev.estimated_tokens, ev.max_tokens, ev.prompt_tokens, prompt_basis=ev.prompt_basis
+    )
     return replace(rec, turn_request=request)
 
 
@@ -86,7 +88,14 @@ def _model_intent(rec: TrajectoryRecord, ev: ModelCallIntent) -> TrajectoryRecor
         refuse(rec, ev, "max_tokens_above_limit", f"limit is {rec.limits.max_output_tokens}")
     if rec.deadline is not None and ev.deadline > rec.deadline:
         refuse(rec, ev, "deadline_beyond_trajectory", "inner deadlines are clamped to the trajectory's")
-    call = ModelCall(ev.grant_id, ev.model, ev.max_tokens, ev.deadline, prompt_tokens=ev.prompt_tokens)
+    call = ModelCall(
+        ev.grant_id,
+        ev.model,
+        ev.max_tokens,
+        ev.deadline,
+        prompt_tokens=ev.prompt_tokens,
+        prompt_basis=ev.prompt_basis,
+    )
     return replace(rec, model_call=call)
 
 
@@ -107,7 +116,12 @@ def _model_ended(
 def _model_settled(rec: TrajectoryRecord, ev: ModelCallSettled) -> TrajectoryRecord:
     ended = _model_ended(rec, ev, ModelOutcome(ev.stop_reason.value), ev.usage, ev.dollars)
     refused = ev.stop_reason is StopReason.REFUSAL
-    return replace(ended, model_failures=0, refusals=rec.refusals + refused)
+    anchor = rec.prompt_anchor
+    basis = rec.model_call.prompt_basis if rec.model_call is not None else 0
+    reported = ev.usage.uncached_input + ev.usage.cached_input
+    if basis > 0 and reported > 0 and not ev.usage_estimated:  # only the provider's own count anchors
+        anchor = PromptAnchor(basis, reported)
+    return replace(ended, model_failures=0, refusals=rec.refusals + refused, prompt_anchor=anchor)
 
 
 def _model_cancelled(rec: TrajectoryRecord, ev: ModelCallCancelled) -> TrajectoryRecord:

@@ -30,8 +30,9 @@ from runtime.events import (
     ToolResultAccepted,
 )
 from runtime.ports import Settlement
+from runtime.record import PromptAnchor
 
-__all__ = ["build_messages", "context_of", "estimate_from_chars", "estimate_tokens"]
+__all__ = ["anchored_estimate", "build_messages", "context_of", "estimate_from_chars", "estimate_tokens"]
 
 _NOT_EXECUTED = json.dumps({"status": "NOT_EXECUTED", "message": "This call was not dispatched."})
 
@@ -161,6 +162,21 @@ def estimate_tokens(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
 def estimate_from_chars(chars: int, n_messages: int) -> int:
     """``estimate_tokens`` from the JSON characters of the messages and tools and the number of messages."""
     return chars // 3 + 8 * n_messages + 16
+
+
+def anchored_estimate(plain: int, anchor: PromptAnchor | None) -> int:
+    """The prompt estimate admission reserves, given its plain estimate and the last metered prompt.
+
+    A turn's prompt is the previous prompt plus what the transcript gained, so once the provider has
+    counted the previous one, the estimate is that count plus the plain estimate of the growth. Characters
+    over-count JSON transcripts about threefold (keys, quoting, call ids), and a reservation that large
+    leaves the shared bucket's margin unused; the provider's count is exact for the prefix and calibrates
+    to its tokenizer in both directions. With nothing metered (the first turn, a provider that reports no
+    usage), or a prompt smaller than the metered one (its prefix changed), the plain estimate stands.
+    """
+    if anchor is None or anchor.basis <= 0 or plain < anchor.basis:
+        return plain
+    return anchor.reported + (plain - anchor.basis)
 
 
 @dataclass(slots=True)

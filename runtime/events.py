@@ -280,12 +280,14 @@ class TurnRequested:
     request_id: str
     estimated_tokens: int  # prompt estimate + max_tokens: what admission reserves
     max_tokens: int
-    prompt_tokens: int
+    prompt_tokens: int  # what admission reserves for the prompt (anchored to the provider's last count)
+    prompt_basis: int = 0  # the prompt's plain character estimate, that reservation's starting point
 
     def __post_init__(self) -> None:
         _id(self.request_id, "request_id")
         _check(self.max_tokens > 0, "max_tokens must be > 0")
         _check(self.prompt_tokens >= 0, "prompt_tokens must be >= 0")
+        _check(self.prompt_basis >= 0, "prompt_basis must be >= 0")
         _check(self.estimated_tokens >= self.max_tokens, "the estimate includes max_tokens")
 
 
@@ -313,12 +315,14 @@ class ModelCallIntent:
     max_tokens: int
     deadline: float
     prompt_tokens: int = 0  # the admission estimate; charged with max_tokens if the reply is lost
+    prompt_basis: int = 0  # the plain character estimate; the provider's count of this prompt anchors
 
     def __post_init__(self) -> None:
         _id(self.grant_id, "grant_id")
         _id(self.model, "model")
         _check(self.max_tokens > 0, "max_tokens must be > 0")
         _check(self.prompt_tokens >= 0, "prompt_tokens must be >= 0")
+        _check(self.prompt_basis >= 0, "prompt_basis must be >= 0")
         _time(self.deadline, "deadline")
 
 

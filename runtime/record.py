@@ -52,6 +52,7 @@ __all__ = [
     "PendingCall",
     "PendingControl",
     "Pointers",
+    "PromptAnchor",
     "QueueStage",
     "QueuedCall",
     "Revision",
@@ -260,6 +261,7 @@ class ModelCall:
     deadline: float
     outcome: ModelOutcome | None = None
     prompt_tokens: int = 0
+    prompt_basis: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +347,18 @@ class TurnRequestState:
     estimated_tokens: int
     max_tokens: int
     prompt_tokens: int
+    prompt_basis: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptAnchor:
+    """The provider's count of the last metered prompt, and that prompt's plain character estimate.
+
+    The next prompt is this one plus what the transcript gained since, so its estimate is ``reported`` plus
+    the character estimate of the growth (``runtime.context.anchored_estimate``)."""
+
+    basis: int  # estimate_from_chars of the metered prompt
+    reported: int  # uncached + cached input tokens, as the provider reported them
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +478,7 @@ class TrajectoryRecord:
     model_failures: int = 0  # consecutive failed model calls (a 429 is admission feedback, not a failure)
     refusals: int = 0  # replies the provider refused
     turn_request: TurnRequestState | None = None
+    prompt_anchor: PromptAnchor | None = None  # the provider's count of the last prompt (see PromptAnchor)
     queued: Mapping[str, QueuedCall] = field(default_factory=dict)
     timers: Mapping[str, Timer] = field(default_factory=dict)
     watchdog: WatchdogState = field(default_factory=WatchdogState)

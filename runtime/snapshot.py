@@ -22,6 +22,7 @@ transcript (events the model's context is rebuilt from) as the events themselves
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 from collections.abc import Iterable, Sequence
@@ -59,6 +60,15 @@ _NOT_STORED = frozenset({"policy", "transcript"})  # the policy comes from the l
 def _record_fields() -> tuple[tuple[str, Any], ...]:
     fields = field_types(TrajectoryRecord, {"TrajectoryPolicy": TrajectoryPolicy})
     return tuple((name, tp) for name, tp in fields if name not in _NOT_STORED)
+
+
+@functools.cache
+def _defaulted_fields() -> frozenset[str]:
+    return frozenset(
+        f.name
+        for f in dataclasses.fields(TrajectoryRecord)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    )
 
 
 def is_snapshot(payload: bytes) -> bool:
@@ -109,11 +119,11 @@ def decode_snapshot(payload: bytes, policy: TrajectoryPolicy | None = None) -> T
         raise CodecError("record must be a map and transcript a list", where="snapshot")
     fields = _record_fields()
     names = {name for name, _ in fields}
-    missing = names - set(body)
+    missing = names - set(body) - _defaulted_fields()  # a field added with a default may be absent
     unknown = set(body) - names
     if missing or unknown:
         raise CodecError(f"missing {sorted(missing)}, unknown {sorted(unknown)}", where="snapshot.record")
-    kwargs = {name: decode_value(tp, body[name], f"record.{name}") for name, tp in fields}
+    kwargs = {name: decode_value(tp, body[name], f"record.{name}") for name, tp in fields if name in body}
     events: list[Event] = []
     for i, item in enumerate(transcript):
         if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):

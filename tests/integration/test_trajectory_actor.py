@@ -20,6 +20,8 @@ from cluster.control import ControlMessage, encode_message
 from cluster.signing import Role, create_key, load_private_key, sign
 from runtime.events import (
     LateResultDropped,
+    ModelCallIntent,
+    ModelCallSettled,
     ObservationAppended,
     ToolCallTimedOut,
     ToolDispatchIntent,
@@ -91,6 +93,41 @@ async def test_actor_completes_and_its_log_folds_to_the_same_summary(
     )
     status = await wait_for_status(redis_url, launch.trajectory_id, {"COMPLETED"})
     assert status["turns"] == "3" and status["hibernated"] == "0"
+
+
+async def test_each_turn_reserves_close_to_what_the_provider_counts_and_never_less(
+    ray_local: None, redis_url: str, provider: ProviderThread, testbed: Testbed
+) -> None:
+    # Given a trajectory that runs the tests four times (five turns, each prompt the last one plus a call)
+    launch = make_launch(
+        "t-reserve",
+        base_url=provider.base_url,
+        redis_url=redis_url,
+        scenario="finish_after:4",
+        grants=["run_tests"],
+        check="min_tool_results",
+        check_params={"count": 4},
+        tool_routes=routes(testbed),
+    )
+    # When it runs
+    summary = await start(launch).run.remote()
+    assert summary["state"] == "COMPLETED" and summary["turns"] == 5
+    # Then the prompts the log says the provider counted are the provider's own tally for this trajectory
+    events = await events_of(redis_url, launch.trajectory_id)
+    intents = [e for e in events if isinstance(e, ModelCallIntent)]
+    counts = [
+        e.usage.uncached_input + e.usage.cached_input for e in events if isinstance(e, ModelCallSettled)
+    ]
+    assert len(intents) == len(counts) == 5
+    assert provider.stats()["trajectories"][launch.trajectory_id]["prompt_tokens"] == sum(counts)
+    # and every turn after the first reserved at least its prompt and at most 1.6 times it (here the prompts
+    # grow 57 tokens a turn; the reservation's excess is the character estimate of that growth). The plain
+    # character estimate each turn started from, what it reserved before anchoring, exceeds that bound on
+    # every turn (the control) and grows with the transcript (2.3 times the prompt by the fifth turn)
+    turns = list(zip(intents, counts, strict=True))[1:]
+    assert all(count <= intent.prompt_tokens <= 1.6 * count for intent, count in turns), turns
+    assert all(intent.prompt_basis > 1.6 * count for intent, count in turns), turns
+    assert intents[0].prompt_tokens == intents[0].prompt_basis >= counts[0]
 
 
 @pytest.mark.parametrize(

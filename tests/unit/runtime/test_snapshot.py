@@ -9,6 +9,7 @@ refused by name.
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -20,6 +21,7 @@ from runtime.codec import decode, encode
 from runtime.errors import CodecError
 from runtime.events import Event
 from runtime.fold import fold
+from runtime.record import PromptAnchor
 from runtime.snapshot import (
     MAGIC,
     decode_snapshot,
@@ -98,6 +100,20 @@ def _valid_body() -> dict[str, Any]:
     return body
 
 
+def _without(record: dict[str, Any], name: str) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != name}
+
+
+def test_a_snapshot_written_before_a_defaulted_record_field_existed_still_decodes() -> None:
+    # Given a snapshot of a record with a prompt anchor, the field removed (as written before it existed)
+    record = replace(Log().record, prompt_anchor=PromptAnchor(basis=900, reported=310))
+    assert decode_snapshot(encode_snapshot(record)) == record
+    raw = msgpack.unpackb(zlib.decompress(encode_snapshot(record)[2:]), raw=False)
+    old = _packed({**raw, "record": _without(raw["record"], "prompt_anchor")})
+    # When it is decoded / Then the field takes its default and everything else is as it was
+    assert decode_snapshot(old) == replace(record, prompt_anchor=None)
+
+
 @pytest.mark.parametrize(
     ("mangle", "where"),
     [
@@ -113,6 +129,10 @@ def _valid_body() -> dict[str, Any]:
         ),
         (
             lambda b: _packed({**_valid_body(), "record": {**_valid_body()["record"], "extra": 1}}),
+            "snapshot.record",
+        ),
+        (  # a field without a default is required
+            lambda b: _packed({**_valid_body(), "record": _without(_valid_body()["record"], "turn_count")}),
             "snapshot.record",
         ),
         (lambda b: _packed({**_valid_body(), "transcript": [["no_such_kind", {}]]}), "transcript[0]"),
