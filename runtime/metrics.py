@@ -81,6 +81,7 @@ class MetricSpec:
 _STEP_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_RATIO_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 
 METRICS: dict[str, MetricSpec] = {
     spec.name: spec
@@ -134,6 +135,12 @@ METRICS: dict[str, MetricSpec] = {
             "Time from admission request to grant, by priority class.",
             ("priority_class",),
             _WAIT_BUCKETS,
+        ),
+        MetricSpec(
+            "tether_prompt_reservation_ratio",
+            Kind.HISTOGRAM,
+            "Prompt tokens a model call reserved / the provider's count of them (below 1: under-reserved).",
+            buckets=_RATIO_BUCKETS,
         ),
         MetricSpec(
             "tether_provider_429", Kind.COUNTER, "HTTP 429 responses received, by provider.", ("provider",)
@@ -375,6 +382,15 @@ class Metrics:
         self._record(
             "tether_admission_wait_seconds", Kind.HISTOGRAM, seconds, {"priority_class": priority_class}
         )
+
+    def prompt_reserved(self, reserved: int, counted: int) -> None:
+        """A model call reserved ``reserved`` prompt tokens and the provider counted ``counted``."""
+        if reserved < 0 or counted <= 0:
+            raise InputError(
+                f"metric tether_prompt_reservation_ratio: needs reserved >= 0 and counted > 0, "
+                f"got {reserved} and {counted}"
+            )
+        self._record("tether_prompt_reservation_ratio", Kind.HISTOGRAM, reserved / counted)
 
     def rate_limited(self, provider: str) -> None:
         self._record("tether_provider_429", Kind.COUNTER, 1, {"provider": provider})

@@ -94,6 +94,7 @@ def test_each_signal_lands_on_its_metric_with_its_labels(
             {"kind": "pause"},
             [0.02],
         ),
+        (lambda m: m.prompt_reserved(300, 200), "tether_prompt_reservation_ratio", {}, [1.5]),
     ],
 )
 def test_histograms_keep_each_observation(
@@ -113,6 +114,7 @@ def test_histograms_keep_each_observation(
         (lambda m: m.bucket_level("b", 1.5), r"\[0, 1\]"),
         (lambda m: m.trajectories_in_state("RUNNING", -1), ">= 0"),
         (lambda m: m.admission_waited("batch", -0.1), ">= 0"),
+        (lambda m: m.prompt_reserved(300, 0), "counted > 0"),
         (lambda m: m.breaker_state("s", "ajar"), "ajar"),
     ],
 )

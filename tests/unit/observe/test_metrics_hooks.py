@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from runtime.clock import FakeClock
+from runtime.events import ModelCallIntent
 from runtime.fingerprint import call_digest
 from runtime.metrics import InMemoryBackend, Metrics
 from runtime.observe import MetricsHooks, StateCensus
@@ -232,3 +233,27 @@ def test_a_shared_census_counts_several_trajectories_by_state() -> None:
         sim.run(until=clock.wall())
     # both reached the approval gate: the gauge shows both there, and nothing left in earlier states
     assert actor_gauges(backend) == {"READY": 0.0, "CALLING_MODEL": 0.0, "AWAITING_APPROVAL": 2.0}
+
+
+def test_each_reported_prompt_is_observed_against_what_its_call_reserved() -> None:
+    # Given a model whose replies report prompts of 130, 175 and 221 tokens, then one unreported reply
+    counts = [130, 175, 221]
+
+    def script(messages):  # type: ignore[no-untyped-def]
+        k = tool_results(messages)
+        if k < 3:
+            reply = call("run_tests", {"suite": f"s{k}"}, k)
+            return ModelReply(reply.stop_reason, "", reply.tool_calls, Usage(counts[k], 0, 20))
+        return ModelReply(StopReason.END_TURN, "done", [], Usage(999, 0, 5), usage_estimated=True)
+
+    clock = FakeClock()
+    sim, backend = observed(script, clock)
+    run(sim, clock)
+    # Then one ratio per reported call: what its intent reserved over what the provider counted (the
+    # first from characters, well above 1; the next two anchored to the count before them); the
+    # adapter's estimate (unreported usage) is not a count and is not observed
+    reserved = [e.prompt_tokens for e in sim.log if isinstance(e, ModelCallIntent)]
+    assert len(reserved) == 4
+    ratios = backend.observations[("tether_prompt_reservation_ratio", ())]
+    assert ratios == [r / c for r, c in zip(reserved, counts, strict=False)]
+    assert ratios[0] > 1.5 and all(1.0 <= r < ratios[0] for r in ratios[1:])
