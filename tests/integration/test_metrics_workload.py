@@ -185,6 +185,8 @@ def exported(seen: Samples, turns: int) -> dict[str, object]:
         "attempts == operations": attempts == seen.get(("ray_tether_tool_operations_total", ())),
         # the scheduler observed one admission wait per turn the run took, and reported its buckets
         "admission waits": sum(waits.values()) == turns,
+        # and every turn's model call observed its prompt reservation against the provider's count
+        "prompt reservations": seen.get(("ray_tether_prompt_reservation_ratio_count", ())) == turns,
         "priority classes": set(waits),
         "buckets": {b.rsplit("/", 1)[1] for b in levels},
     }
@@ -196,6 +198,7 @@ def expected() -> dict[str, object]:
         "attempts >= 3": True,
         "attempts == operations": True,
         "admission waits": True,
+        "prompt reservations": True,
         "priority classes": {"standard", "interactive"},
         "buckets": {"tokens", "requests"},
     }
