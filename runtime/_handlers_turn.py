@@ -118,9 +118,8 @@ def _model_settled(rec: TrajectoryRecord, ev: ModelCallSettled) -> TrajectoryRec
     refused = ev.stop_reason is StopReason.REFUSAL
     anchor = rec.prompt_anchor
     basis = rec.model_call.prompt_basis if rec.model_call is not None else 0
-    reported = ev.usage.uncached_input + ev.usage.cached_input
-    if basis > 0 and reported > 0 and not ev.usage_estimated:  # only the provider's own count anchors
-        anchor = PromptAnchor(basis, reported)
+    if basis > 0 and ev.counted_prompt > 0:  # only the provider's own count anchors the next estimate
+        anchor = PromptAnchor(basis, ev.counted_prompt)
     return replace(ended, model_failures=0, refusals=rec.refusals + refused, prompt_anchor=anchor)
 
 

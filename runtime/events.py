@@ -339,6 +339,11 @@ class ModelCallSettled:
         _usage(self.usage)
         _amount(self.dollars, "dollars")
 
+    @property
+    def counted_prompt(self) -> int:
+        """The provider's own count of the call's prompt; 0 when it reported none (an estimate is not one)."""
+        return 0 if self.usage_estimated else self.usage.prompt
+
 
 @dataclass(frozen=True, slots=True)
 class ModelCallCancelled:

@@ -243,10 +243,9 @@ class MetricsHooks:
         elif isinstance(event, ModelCallSettled):
             if event.stop_reason is StopReason.REFUSAL:
                 m.escalated(EscalationTrigger.REFUSAL.value)
-            counted = event.usage.uncached_input + event.usage.cached_input
             call = record.model_call
-            if call is not None and call.prompt_tokens > 0 and counted > 0 and not event.usage_estimated:
-                m.prompt_reserved(call.prompt_tokens, counted)
+            if call is not None and call.prompt_tokens > 0 and event.counted_prompt > 0:
+                m.prompt_reserved(call.prompt_tokens, event.counted_prompt)
         elif isinstance(event, EscalationOpened):  # issue 12: every escalation record, by trigger
             m.escalated(event.trigger)
         elif isinstance(event, WatchdogFired):

@@ -64,8 +64,12 @@ class Usage:
     output: int = 0
 
     @property
+    def prompt(self) -> int:
+        return self.uncached_input + self.cached_input
+
+    @property
     def total(self) -> int:
-        return self.uncached_input + self.cached_input + self.output
+        return self.prompt + self.output
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(

@@ -115,9 +115,7 @@ async def test_each_turn_reserves_close_to_what_the_provider_counts_and_never_le
     # Then the prompts the log says the provider counted are the provider's own tally for this trajectory
     events = await events_of(redis_url, launch.trajectory_id)
     intents = [e for e in events if isinstance(e, ModelCallIntent)]
-    counts = [
-        e.usage.uncached_input + e.usage.cached_input for e in events if isinstance(e, ModelCallSettled)
-    ]
+    counts = [e.counted_prompt for e in events if isinstance(e, ModelCallSettled)]
     assert len(intents) == len(counts) == 5
     assert provider.stats()["trajectories"][launch.trajectory_id]["prompt_tokens"] == sum(counts)
     # and every turn after the first reserved at least its prompt and at most 1.6 times it (here the prompts
