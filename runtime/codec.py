@@ -29,7 +29,15 @@ import msgpack
 from runtime.errors import CodecError
 from runtime.events import EVENT_TYPES, Event
 
-__all__ = ["SCHEMA_VERSION", "decode", "decode_value", "encode", "encode_value", "field_types"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "decode",
+    "decode_value",
+    "defaulted_fields",
+    "encode",
+    "encode_value",
+    "field_types",
+]
 
 SCHEMA_VERSION = 1
 """Bumped whenever an event's fields change meaning; older logs then need an explicit migration."""
@@ -309,7 +317,9 @@ def _string_keyed(value: Any, path: str) -> dict[str, Any]:
     return entries
 
 
-def _defaulted(cls: type) -> frozenset[str]:
+@functools.cache
+def defaulted_fields(cls: type) -> frozenset[str]:
+    """The fields of dataclass ``cls`` with a default: an entry written before one existed may omit it."""
     return frozenset(
         f.name
         for f in dataclasses.fields(cls)
@@ -321,7 +331,7 @@ def _decode_dataclass(cls: type, value: Any, path: str) -> Any:
     fields = _field_types(cls)
     entries = _string_keyed(value, path)
     # A field added later within one schema version has a default: entries written before it may omit it.
-    optional = _defaulted(cls)
+    optional = defaulted_fields(cls)
     _exact_keys(entries, tuple(name for name, _ in fields), path, optional)
     kwargs = {name: _decode(ftp, entries[name], f"{path}.{name}") for name, ftp in fields if name in entries}
     try:

@@ -22,7 +22,6 @@ transcript (events the model's context is rebuilt from) as the events themselves
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import zlib
 from collections.abc import Iterable, Sequence
@@ -30,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from runtime.codec import SCHEMA_VERSION, decode, decode_value, encode_value, field_types
+from runtime.codec import SCHEMA_VERSION, decode, decode_value, defaulted_fields, encode_value, field_types
 from runtime.errors import CodecError, IllegalEvent, InvalidLog
 from runtime.events import EVENT_TYPES, Event
 from runtime.fold import apply, fold
@@ -60,15 +59,6 @@ _NOT_STORED = frozenset({"policy", "transcript"})  # the policy comes from the l
 def _record_fields() -> tuple[tuple[str, Any], ...]:
     fields = field_types(TrajectoryRecord, {"TrajectoryPolicy": TrajectoryPolicy})
     return tuple((name, tp) for name, tp in fields if name not in _NOT_STORED)
-
-
-@functools.cache
-def _defaulted_fields() -> frozenset[str]:
-    return frozenset(
-        f.name
-        for f in dataclasses.fields(TrajectoryRecord)
-        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-    )
 
 
 def is_snapshot(payload: bytes) -> bool:
@@ -119,7 +109,8 @@ def decode_snapshot(payload: bytes, policy: TrajectoryPolicy | None = None) -> T
         raise CodecError("record must be a map and transcript a list", where="snapshot")
     fields = _record_fields()
     names = {name for name, _ in fields}
-    missing = names - set(body) - _defaulted_fields()  # a field added with a default may be absent
+    # a field added with a default may be absent (snapshots written before it existed)
+    missing = names - set(body) - defaulted_fields(TrajectoryRecord)
     unknown = set(body) - names
     if missing or unknown:
         raise CodecError(f"missing {sorted(missing)}, unknown {sorted(unknown)}", where="snapshot.record")
