@@ -38,6 +38,7 @@ __all__ = [
     "MIN_RUNS",
     "RESULTS_DIR",
     "Stopwatch",
+    "busy_times",
     "bytecode_cached",
     "calibration",
     "cpu_times",
@@ -208,10 +209,9 @@ def _meminfo_mb(field: str) -> int:
     return -1
 
 
-def cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
-    """(steal, total) CPU time of the whole machine since boot, in clock ticks, from ``/proc/stat``'s
-    ``cpu`` line; None where it cannot be read. Steal is time the hypervisor ran another guest while this
-    one had work: on a shared host it is where a quiet-looking machine's lost speed goes."""
+def _cpu_ticks(stat: Path) -> list[int] | None:
+    """``/proc/stat``'s ``cpu`` line: user nice system idle iowait irq softirq steal, in clock ticks since
+    boot (guest time is in user); None where it cannot be read."""
     try:
         with open(stat) as f:
             fields = f.readline().split()
@@ -219,12 +219,27 @@ def cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
         return None
     if not fields or fields[0] != "cpu" or len(fields) < 9:
         return None
-    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest is in user)
-    return ticks[7], sum(ticks)
+    return [int(x) for x in fields[1:9]]
+
+
+def cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(steal, total) CPU time of the whole machine since boot, in clock ticks; None where it cannot be
+    read. Steal is time the hypervisor ran another guest while this one had work: on a shared host it is
+    where a quiet-looking machine's lost speed goes."""
+    ticks = _cpu_ticks(stat)
+    return None if ticks is None else (ticks[7], sum(ticks))
+
+
+def busy_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine since boot, in clock ticks (busy: all but idle and
+    iowait); None where it cannot be read."""
+    ticks = _cpu_ticks(stat)
+    return None if ticks is None else (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
 
 
 def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """The share of the machine's CPU time stolen between two ``cpu_times`` readings (None if unknown)."""
+    """The part of the machine's CPU time between two ``cpu_times`` (or ``busy_times``) readings that
+    was stolen (busy); None if unknown."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return round((after[0] - before[0]) / (after[1] - before[1]), 3)

@@ -31,9 +31,14 @@
    repeated. The breakdown, same run: ``H`` bare Ray actors started at once (the process-start floor),
    the read + decode + fold of one log in the driver (no process), and a fresh interpreter's import of
    ``ray`` and of the trajectory actor's module.
+5. **Idle CPU** (``--only idle``; not in the full run). ``I`` live trajectories each waiting on one sandboxed
+   command (the fleet ``control_latency`` kills) beside ``I`` bare async Ray actors, in the same windows:
+   each process's CPU time (``/proc/<pid>/stat``, every thread) and wakeups (context switches of every
+   thread, and of the main thread alone), and the whole machine's busy share. What a live trajectory costs
+   the node while it does nothing, against what any Ray actor costs.
 
-    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3] [--only scheduler|memory|hibernation]
-        [--live N] [--hibernated H]
+    .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3]
+        [--only scheduler|memory|hibernation|idle] [--live N] [--hibernated H] [--idle I]
 
 Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG;
 ``--only PART`` measures that part alone and writes ``node_capacity.PART.json`` (never the headline).
@@ -45,6 +50,8 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -59,10 +66,12 @@ import ray
 
 from benchmarks._common import (
     MIN_RUNS,
+    busy_times,
     calibration,
     provenance,
     result_path,
     spread,
+    steal_share,
     write_json,
 )
 
@@ -125,10 +134,14 @@ class Settings:
     seconds: float = 5.0  # per throughput run
     live: int = 24  # live trajectory actors probed for memory
     hibernated: int = 20  # trajectories hibernated, then woken together
+    idle: int = 10  # idle trajectories (and as many bare actors) whose CPU is sampled
+    idle_window_s: float = 30.0  # per idle CPU run
     quick: bool = False
 
 
-QUICK = Settings(runs=3, callers=2, loops=8, seconds=1.5, live=4, hibernated=4, quick=True)
+QUICK = Settings(
+    runs=3, callers=2, loops=8, seconds=1.5, live=4, hibernated=4, idle=3, idle_window_s=5.0, quick=True
+)
 
 
 def progress(message: str) -> None:
@@ -150,6 +163,43 @@ def memory_of(pid: int | str = "self") -> dict[str, float]:
     }
 
 
+def process_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds a process has used (user + system, every thread) and its context switches so far: of
+    every thread, and of its main thread alone (voluntary + involuntary; an idle thread's are its wakeups)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    task_dir = Path(f"/proc/{pid}/task")
+    main = str(os.getpid()) if pid == "self" else str(pid)
+    switches = main_switches = 0
+    for task in os.listdir(task_dir):
+        try:
+            counted = _switches(task_dir / task / "status")
+        except FileNotFoundError:  # the thread ended while we looked
+            continue
+        switches += counted
+        if task == main:
+            main_switches = counted
+    return {"cpu_s": ticks / os.sysconf("SC_CLK_TCK"), "switches": switches, "main_switches": main_switches}
+
+
+def _switches(status: Path) -> int:
+    total = 0
+    for line in status.read_text().splitlines():
+        if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+            total += int(line.split()[1])
+    return total
+
+
+def cpu_rates(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Two ``process_cpu`` readings ``seconds`` apart as rates: % of one core, switches per second."""
+    return {
+        "cpu_pct": round(100.0 * (after["cpu_s"] - before["cpu_s"]) / seconds, 2),
+        "switches_per_s": round((after["switches"] - before["switches"]) / seconds, 1),
+        "main_switches_per_s": round((after["main_switches"] - before["main_switches"]) / seconds, 1),
+    }
+
+
 def mem_available_mb() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -167,6 +217,9 @@ class Bare:
 
     async def ping(self) -> int:
         return 1
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def memory(self) -> dict[str, float]:
         return memory_of()
@@ -735,6 +788,115 @@ def run(s: Settings, memory_only: bool = False) -> dict[str, Any]:
     }
 
 
+async def idle_cpu(s: Settings, workdir: Path) -> dict[str, Any]:
+    """Part 5: ``s.idle`` live trajectories waiting on their sandboxed commands, beside as many bare actors
+    and the fleet's two relays; every process's CPU and wakeups over ``s.runs`` windows of the same length."""
+    from actors.relay import start_relays, stop_relays
+    from benchmarks.control_latency import Fleet as IdleFleet
+    from benchmarks.control_latency import launch_fleet
+    from cluster.redis_server import RedisServer
+    from cluster.signing import Role, create_key
+    from testbed.provider.config import ProviderConfig
+    from testbed.provider.launch import start_provider_thread
+
+    server = RedisServer(data_dir=workdir / "redis").start()
+    provider = start_provider_thread(ProviderConfig(ttft_ms=20.0, tokens_per_s=2000.0))
+    keyring = workdir / "keyring.yaml"
+    create_key("operator", [Role.OPERATOR], keyring)
+    fleet = IdleFleet(server.url, provider.base_url, keyring)
+    groups: dict[str, int] = {}
+    relays: list[Any] = []
+    bares: list[Any] = []
+    try:
+        relays = start_relays(server.url, 2, adapters=fleet_adapters(), config={"block_ms": 100})
+        progress(f"starting {s.idle} trajectories, each waiting on a sandboxed command")
+        tids = await launch_fleet(fleet, s.idle, groups, workdir / "workspaces")
+        bares = [Bare.remote() for _ in range(s.idle)]  # type: ignore[attr-defined]
+        pids = {
+            "trajectory": [actor_pid(tid) for tid in tids],
+            "bare": ray.get([b.pid.remote() for b in bares]),
+            "relay": ray.get([r.pid.remote() for r in relays]),
+        }
+        await asyncio.sleep(5.0)  # let the last starts settle
+        windows: list[dict[str, Any]] = []
+        for run_no in range(s.runs):
+            progress(f"idle window {run_no + 1}/{s.runs} ({s.idle_window_s:.0f} s)")
+            machine_before = busy_times()
+            before = {kind: [process_cpu(pid) for pid in ps] for kind, ps in pids.items()}
+            started = time.monotonic()
+            await asyncio.sleep(s.idle_window_s)
+            after = {kind: [process_cpu(pid) for pid in ps] for kind, ps in pids.items()}
+            seconds = time.monotonic() - started
+            machine_after = busy_times()
+            window: dict[str, Any] = {
+                kind: [cpu_rates(b, a, seconds) for b, a in zip(before[kind], after[kind], strict=True)]
+                for kind in pids
+            }
+            window["machine_busy_share"] = steal_share(machine_before, machine_after)
+            window["seconds"] = round(seconds, 2)
+            windows.append(window)
+        states = [(await fleet.client.status(tid)) for tid in tids]
+        still_waiting = sum(st is not None and st.state == "WAITING_TOOL" for st in states)
+    finally:
+        for pgid in groups.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        for b in bares:
+            ray.kill(b)
+        stop_relays(relays)
+        await fleet.close()
+        provider.stop()
+        server.stop()
+    return {"windows": windows, "still_waiting_tool": still_waiting, "trajectories": len(tids)}
+
+
+def fleet_adapters() -> Any:
+    from cluster.adapters import ClusterAdapters
+
+    return ClusterAdapters()
+
+
+def summarise_idle(part: dict[str, Any]) -> dict[str, Any]:
+    """Per kind: the spread of every process's rates over every window, and of the windows' medians."""
+    windows = part["windows"]
+    out: dict[str, Any] = {}
+    for kind in ("trajectory", "bare", "relay"):
+        kind_out: dict[str, Any] = {}
+        for rate in ("cpu_pct", "switches_per_s", "main_switches_per_s"):
+            pooled = [p[rate] for w in windows for p in w[kind]]
+            medians = [statistics.median(p[rate] for p in w[kind]) for w in windows]
+            kind_out[rate] = {"per_process": spread(pooled, 2), "window_medians": spread(medians, 2)}
+        out[kind] = kind_out
+    shares = [w["machine_busy_share"] for w in windows if w["machine_busy_share"] is not None]
+    out["machine_busy_share"] = spread(shares, 3) if shares else None
+    out["trajectories"] = part["trajectories"]
+    out["still_waiting_tool"] = part["still_waiting_tool"]
+    out["windows"] = windows
+    out["what"] = (
+        "trajectory: live trajectory actors, each in WAITING_TOOL on one sandboxed run_command "
+        "(sh -c 'sleep 3600 & wait'; the sandbox's processes are not counted); bare: async Ray actors with "
+        "no imports of ours, started after them; relay: the fleet's two control relays (XREADGROUP, "
+        "block_ms 100). cpu_pct: % of one core (user + system, every thread, /proc/<pid>/stat); "
+        "switches_per_s: context switches of every thread; main_switches_per_s: of the main thread alone; "
+        "machine_busy_share: the whole machine's non-idle share of its cores over the window"
+    )
+    return out
+
+
+def run_idle(s: Settings) -> dict[str, Any]:
+    """Part 5 alone (``--only idle``)."""
+    from cluster.runner import start_local_ray
+
+    before = calibration()
+    start_local_ray(num_cpus=2)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
+            part = asyncio.run(idle_cpu(s, Path(tmp)))
+    finally:
+        ray.shutdown()
+    return {"runs": s.runs, "only": "idle", "idle": summarise_idle(part), **provenance(s.__dict__, before)}
+
+
 def run_scheduler_only(s: Settings) -> dict[str, Any]:
     """Part 1 alone (``--only scheduler``)."""
     from cluster.runner import start_local_ray
@@ -804,12 +966,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=None, help=f"repetitions (at least {MIN_RUNS})")
     parser.add_argument(
         "--only",
-        choices=["scheduler", "memory", "hibernation"],
+        choices=["scheduler", "memory", "hibernation", "idle"],
         default=None,
         help="run one part alone; writes node_capacity.<part>.json beside (never over) the headline file",
     )
     parser.add_argument("--live", type=int, default=None, help="live trajectory actors probed for memory")
     parser.add_argument("--hibernated", type=int, default=None, help="trajectories hibernated and woken")
+    parser.add_argument("--idle", type=int, default=None, help="idle trajectories (--only idle)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     if args.runs is not None:
@@ -820,6 +983,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.hibernated < 1:
             parser.error("--hibernated must be >= 1")
         settings = Settings(**{**settings.__dict__, "hibernated": args.hibernated})
+    if args.idle is not None:
+        if args.idle < 1:
+            parser.error("--idle must be >= 1")
+        settings = Settings(**{**settings.__dict__, "idle": args.idle})
     if args.only == "scheduler":
         result = run_scheduler_only(settings)
         out = result_path(NAME, settings.quick)
@@ -829,6 +996,14 @@ def main(argv: list[str] | None = None) -> None:
         print(result["scheduler"])
         return
     out = result_path(NAME, settings.quick)
+    if args.only == "idle":
+        result = run_idle(settings)
+        out = out.with_name(f"{out.stem}.idle.json")
+        write_json(out.stem, result, out.parent)
+        print(out)
+        idle = result["idle"]
+        print({kind: idle[kind]["cpu_pct"]["per_process"] for kind in ("trajectory", "bare", "relay")})
+        return
     if args.only == "hibernation":
         result = run_hibernation(settings)
         out = out.with_name(f"{out.stem}.hibernation.json")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks._common import cpu_times, damon_state, steal_share
+from benchmarks._common import busy_times, cpu_times, damon_state, steal_share
 from benchmarks.readme_table import table
 
 
-def _stat(path: Path, user: int, idle: int, steal: int) -> Path:
+def _stat(path: Path, user: int, idle: int, steal: int, iowait: int = 0) -> Path:
     # user nice system idle iowait irq softirq steal guest guest_nice
-    path.write_text(f"cpu  {user} 0 10 {idle} 0 0 0 {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    path.write_text(f"cpu  {user} 0 10 {idle} {iowait} 0 0 {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
     return path
 
 
@@ -26,6 +26,16 @@ def test_the_steal_share_is_the_stolen_part_of_the_cpu_time_between_two_readings
     # and an unreadable or non-advancing reading gives no share rather than a wrong one
     assert cpu_times(tmp_path / "missing") is None
     assert steal_share(None, after) is None and steal_share(after, after) is None
+
+
+def test_the_busy_share_is_the_cpu_time_spent_neither_idle_nor_waiting_for_io(tmp_path: Path) -> None:
+    # Given 200 ticks between the readings: 50 user, 10 steal, 100 idle, 40 waiting for I/O
+    before = busy_times(_stat(tmp_path / "a", user=100, idle=500, steal=40, iowait=20))
+    after = busy_times(_stat(tmp_path / "b", user=150, idle=600, steal=50, iowait=60))
+    # Then busy counts user, system and steal, not idle or iowait
+    assert before == (150, 670) and after == (210, 870)
+    assert steal_share(before, after) == 0.3
+    assert busy_times(tmp_path / "missing") is None
 
 
 def test_damon_monitors_are_read_from_the_sysfs_admin_tree(tmp_path: Path) -> None:
