@@ -10,6 +10,14 @@
   are passed through as text, never parsed or repaired.
 - Every response's rate-limit headers are parsed (``actors.provider_headers``) into a
   ``RateLimitInfo``: on a reply as ``ModelReply.rate_limit``, on an error as ``.rate_limit``.
+- The request goes out through the client's own ``post`` (the SDK's documented path for a request it has no
+  typed method for), not ``chat.completions.create``: ``create`` first walks the whole body against its
+  typed parameters (``async_maybe_transform``), which renames and reformats nothing in the chat messages and
+  tools Tether sends, yet costs 2 ms of CPU for a six-message prompt and grows with the transcript (74 ms at
+  400 messages; a node's model client pays it for every trajectory on the node). Everything else is the
+  SDK's as before: auth and default headers, timeout, HTTP errors as its exception types, the SSE stream
+  and its chunk types. ``tests/unit/actors/test_openai_body.py`` keeps the claim honest: the SDK's transform
+  leaves every body shape this adapter builds unchanged.
 
 Errors: nothing but ``runtime.errors`` types leaves ``complete``. A 429 is :class:`ModelRateLimited` (a
 ``ProviderRateLimited``: admission feedback, with the parsed ``RateLimitInfo``). Everything else that goes
@@ -155,6 +163,19 @@ class OpenAIModel:
         self._observer: CallObserver = observer or _NoObserver()
         self._warned_headers: set[str] = set()
 
+    def body(self, request: ModelRequest) -> dict[str, Any]:
+        """The JSON body of ``POST /chat/completions`` for ``request``: the OpenAI wire format, as sent."""
+        body: dict[str, Any] = {
+            "model": request.model,
+            "messages": list(request.messages),
+            self._max_tokens_field: request.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.tools:
+            body["tools"] = list(request.tools)
+        return body
+
     def _api(self) -> openai.AsyncOpenAI:
         if self._client is None:
             import openai
@@ -163,9 +184,10 @@ class OpenAIModel:
         return self._client
 
     def warm(self) -> None:
-        """Build the HTTP client (and import ``openai`` with the chat resources it loads on first use) now,
-        not on the first call."""
-        _ = self._api().chat.completions.with_streaming_response
+        """Build the HTTP client (and import ``openai`` with the chat types a call parses) now, not on the
+        first call."""
+        self._api()
+        import openai.types.chat  # noqa: F401
 
     async def connect(self) -> bool:
         """Open a connection to the provider ahead of the first call, with ``GET /models`` (the API's model
@@ -294,25 +316,22 @@ class OpenAIModel:
         headers = {TRAJECTORY_HEADER: request.trajectory_id}
         if scenario := request.metadata.get("scenario"):
             headers[SCENARIO_HEADER] = scenario
-        kwargs: dict[str, Any] = {
-            "model": request.model,
-            "messages": list(request.messages),
-            self._max_tokens_field: request.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "timeout": timeout,
-            "extra_headers": headers,
-        }
-        if request.tools:
-            kwargs["tools"] = list(request.tools)
         client = self._api()
         import openai  # loaded by _api(): the except clauses below name its error types
+        from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
         try:
-            async with client.chat.completions.with_streaming_response.create(**kwargs) as response:
-                state.status = response.status_code
-                state.rate_limit = self._limits(response.headers, f"HTTP {response.status_code}")
-                stream = await response.parse()
+            stream = await client.post(
+                "/chat/completions",
+                body=self.body(request),
+                cast_to=ChatCompletion,
+                options={"headers": headers, "timeout": timeout},
+                stream=True,
+                stream_cls=openai.AsyncStream[ChatCompletionChunk],
+            )
+            async with stream:  # leaving it closes the HTTP stream, mid-way on a cancel
+                state.status = stream.response.status_code
+                state.rate_limit = self._limits(stream.response.headers, f"HTTP {state.status}")
                 async for chunk in stream:
                     self._absorb(chunk, state)
                     if cancel.cancelled:

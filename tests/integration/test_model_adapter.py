@@ -301,6 +301,25 @@ async def test_other_4xx_is_not_retryable(model: Model) -> None:
     assert "unknown scenario" in str(info.value)
 
 
+async def test_the_api_key_goes_with_every_call_and_a_wrong_one_is_not_retryable() -> None:
+    # Given a provider that answers only requests carrying its key (``Authorization: Bearer``)
+    config = ProviderConfig(rpm=1000, tpm=1_000_000, api_key="sk-tether-test")
+    async with ProviderServer(config, port=free_port()) as server:
+        right = OpenAIModel(base_url=server.base_url, api_key="sk-tether-test")
+        wrong = OpenAIModel(base_url=server.base_url, api_key="sk-someone-else")
+        try:
+            # Then the adapter's key is sent: the call is answered
+            reply = await right.complete(request("finish_after:0"), CancelToken())
+            assert reply.stop_reason is StopReason.END_TURN
+            # and a wrong key is the provider's 401, which no retry can fix
+            with pytest.raises(ModelCallFailed) as info:
+                await wrong.complete(request("finish_after:0"), CancelToken())
+            assert info.value.status == 401 and info.value.non_retryable
+        finally:
+            await right.aclose()
+            await wrong.aclose()
+
+
 async def test_connection_refused_is_retryable() -> None:
     model = OpenAIModel(base_url=f"http://127.0.0.1:{free_port()}/v1")
     with pytest.raises(ModelCallFailed) as info:
