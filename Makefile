@@ -121,8 +121,8 @@ typecheck: setup
 
 # The full set at default settings (headline results, about 2 hours on 2 cores), then the README table.
 # bench-quick checks every benchmark works in minutes; it writes <name>.quick.json, never the headline files.
-BENCHES := log_append turn_overhead guard_throughput node_capacity rate_limit shared_limits retry_storm \
-	control_latency
+BENCHES := log_append turn_overhead model_path guard_throughput node_capacity rate_limit shared_limits \
+	retry_storm control_latency
 
 bench: setup
 	@set -e; for b in $(BENCHES); do echo "== benchmarks.$$b"; $(BIN)/python -m benchmarks.$$b; done

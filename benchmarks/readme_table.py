@@ -157,6 +157,17 @@ def turn_overhead(d: Mapping[str, Any]) -> str:
     )
 
 
+def model_path(d: Mapping[str, Any]) -> str:
+    parts = []
+    for row in (d.get("by_rounds") or {}).values():
+        cpu = {path: row[path]["cpu_ms_per_call"] for path in ("tether", "sdk_create", "aiohttp_floor")}
+        parts.append(
+            f"{row['messages']} messages: **tether** {_s(cpu['tether'], 1, ' ms')}, SDK `create` "
+            f"{_s(cpu['sdk_create'], 1, ' ms')}, bare HTTP + JSON {_s(cpu['aiohttp_floor'], 1, ' ms')}"
+        )
+    return "CPU of one streamed model call in the calling process, by prompt length: " + "; ".join(parts)
+
+
 def _history_growth(growth: Mapping[str, Any] | None) -> str:
     if not growth:
         return ""
@@ -232,6 +243,7 @@ ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("shared_limits", shared_limits),
     ("node_capacity", node_capacity),
     ("turn_overhead", turn_overhead),
+    ("model_path", model_path),
     ("log_append", log_append),
     ("guard_throughput", guard_throughput),
     ("control_latency", control_latency),
