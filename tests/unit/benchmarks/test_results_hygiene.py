@@ -138,3 +138,27 @@ def test_bytecode_cached_is_the_share_of_product_modules_with_current_bytecode(t
     later = os.stat(modules[1]).st_mtime + 10
     os.utime(modules[1], (later, later))
     assert bytecode_cached(tmp_path) == 0.5
+
+
+def test_the_model_path_row_lists_prompt_lengths_in_order_with_each_paths_spread(tmp_path: Path) -> None:
+    def cpu(median: float) -> dict[str, object]:
+        return {"cpu_ms_per_call": {"min": median - 1, "median": median, "max": median + 1, "runs": 3}}
+
+    # Given a result whose prompt lengths come back from JSON sorted as text ("10" before "2")
+    result = {
+        "by_rounds": {
+            str(rounds): {
+                "messages": 2 * rounds + 2,
+                "tether": cpu(t),
+                "sdk_create": cpu(c),
+                "aiohttp_floor": cpu(1),
+            }
+            for rounds, t, c in ((10, 4.0, 9.0), (2, 3.0, 6.0))
+        },
+        "commit": {"sha": "0123456789abcdef", "dirty": False},
+    }
+    (tmp_path / "model_path.json").write_text(json.dumps(result, sort_keys=True))
+    row = next(line for line in table(tmp_path).splitlines() if "`model_path`" in line)
+    # Then the shorter prompt comes first, and each figure carries its spread over runs
+    assert row.index("6 messages") < row.index("22 messages")
+    assert "**tether** 3.0 ms [2.0-4.0]" in row and "SDK `create` 9.0 ms [8.0-10.0]" in row
