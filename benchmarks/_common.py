@@ -49,8 +49,8 @@ __all__ = [
     "provenance",
     "result_path",
     "spread",
-    "steal_share",
     "summarize_ms",
+    "tick_share",
     "write_json",
     "write_plot",
 ]
@@ -237,9 +237,9 @@ def busy_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
     return None if ticks is None else (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
 
 
-def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """The part of the machine's CPU time between two ``cpu_times`` (or ``busy_times``) readings that
-    was stolen (busy); None if unknown."""
+def tick_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time between two ``(part, total)`` readings that went to the part:
+    stolen for ``cpu_times``, busy for ``busy_times``; None if unknown."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return round((after[0] - before[0]) / (after[1] - before[1]), 3)
@@ -270,7 +270,7 @@ def calibration() -> dict[str, Any]:
             os.fsync(f.fileno())
         fsync = (time.perf_counter() - started) / 20
     time.sleep(0.5)  # the loops above take ~0.2 s: too few clock ticks to tell a steal share from noise
-    steal = steal_share(ticks, cpu_times())
+    steal = tick_share(ticks, cpu_times())
     load = os.getloadavg()
     return {
         "cpu_loop_s": round(cpu, 3),

@@ -115,6 +115,7 @@ def request(rounds: int, max_tokens: int, n: int) -> ModelRequest:
 
 
 Call = Callable[[ModelRequest], Awaitable[int]]  # returns the chunks it read
+Body = Callable[[ModelRequest], dict[str, Any]]  # every path sends the body the adapter builds
 
 
 def tether_path(model: OpenAIModel) -> Call:
@@ -125,18 +126,10 @@ def tether_path(model: OpenAIModel) -> Call:
     return call
 
 
-def sdk_create_path(client: openai.AsyncOpenAI) -> Call:
+def sdk_create_path(client: openai.AsyncOpenAI, body_of: Body) -> Call:
     async def call(req: ModelRequest) -> int:
-        kwargs: dict[str, Any] = {
-            "model": req.model,
-            "messages": list(req.messages),
-            "tools": list(req.tools),
-            "max_tokens": req.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "timeout": 120.0,
-            "extra_headers": {TRAJECTORY_HEADER: req.trajectory_id},
-        }
+        headers = {TRAJECTORY_HEADER: req.trajectory_id}
+        kwargs: dict[str, Any] = {**body_of(req), "timeout": 120.0, "extra_headers": headers}
         chunks = 0
         async with client.chat.completions.with_streaming_response.create(**kwargs) as response:
             stream = await response.parse()
@@ -149,18 +142,11 @@ def sdk_create_path(client: openai.AsyncOpenAI) -> Call:
     return call
 
 
-def floor_path(session: aiohttp.ClientSession, base_url: str) -> Call:
+def floor_path(session: aiohttp.ClientSession, base_url: str, body_of: Body) -> Call:
     url = f"{base_url}/chat/completions"
 
     async def call(req: ModelRequest) -> int:
-        body = {
-            "model": req.model,
-            "messages": list(req.messages),
-            "tools": list(req.tools),
-            "max_tokens": req.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = body_of(req)
         headers = {"Authorization": f"Bearer {API_KEY}", TRAJECTORY_HEADER: req.trajectory_id}
         chunks = 0
         async with session.post(url, json=body, headers=headers) as response:
@@ -212,8 +198,8 @@ async def run_all(s: Settings, base_url: str) -> list[dict[str, Any]]:
     session = aiohttp.ClientSession()
     calls = {
         "tether": tether_path(model),
-        "sdk_create": sdk_create_path(client),
-        "aiohttp_floor": floor_path(session, base_url),
+        "sdk_create": sdk_create_path(client, model.body),
+        "aiohttp_floor": floor_path(session, base_url, model.body),
     }
     runs: list[dict[str, Any]] = []
     try:

@@ -71,7 +71,7 @@ from benchmarks._common import (
     provenance,
     result_path,
     spread,
-    steal_share,
+    tick_share,
     write_json,
 )
 
@@ -794,6 +794,7 @@ async def idle_cpu(s: Settings, workdir: Path) -> dict[str, Any]:
     from actors.relay import start_relays, stop_relays
     from benchmarks.control_latency import Fleet as IdleFleet
     from benchmarks.control_latency import launch_fleet
+    from cluster.adapters import ClusterAdapters
     from cluster.redis_server import RedisServer
     from cluster.signing import Role, create_key
     from testbed.provider.config import ProviderConfig
@@ -808,7 +809,7 @@ async def idle_cpu(s: Settings, workdir: Path) -> dict[str, Any]:
     relays: list[Any] = []
     bares: list[Any] = []
     try:
-        relays = start_relays(server.url, 2, adapters=fleet_adapters(), config={"block_ms": 100})
+        relays = start_relays(server.url, 2, adapters=ClusterAdapters(), config={"block_ms": 100})
         progress(f"starting {s.idle} trajectories, each waiting on a sandboxed command")
         tids = await launch_fleet(fleet, s.idle, groups, workdir / "workspaces")
         bares = [Bare.remote() for _ in range(s.idle)]  # type: ignore[attr-defined]
@@ -832,7 +833,7 @@ async def idle_cpu(s: Settings, workdir: Path) -> dict[str, Any]:
                 kind: [cpu_rates(b, a, seconds) for b, a in zip(before[kind], after[kind], strict=True)]
                 for kind in pids
             }
-            window["machine_busy_share"] = steal_share(machine_before, machine_after)
+            window["machine_busy_share"] = tick_share(machine_before, machine_after)
             window["seconds"] = round(seconds, 2)
             windows.append(window)
         states = [(await fleet.client.status(tid)) for tid in tids]
@@ -848,12 +849,6 @@ async def idle_cpu(s: Settings, workdir: Path) -> dict[str, Any]:
         provider.stop()
         server.stop()
     return {"windows": windows, "still_waiting_tool": still_waiting, "trajectories": len(tids)}
-
-
-def fleet_adapters() -> Any:
-    from cluster.adapters import ClusterAdapters
-
-    return ClusterAdapters()
 
 
 def summarise_idle(part: dict[str, Any]) -> dict[str, Any]:

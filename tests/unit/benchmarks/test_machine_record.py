@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks._common import busy_times, cpu_times, damon_state, steal_share
+from benchmarks._common import busy_times, cpu_times, damon_state, tick_share
 from benchmarks.readme_table import table
 
 
@@ -22,10 +22,10 @@ def test_the_steal_share_is_the_stolen_part_of_the_cpu_time_between_two_readings
     after = cpu_times(_stat(tmp_path / "b", user=150, idle=525, steal=65))
     # Then
     assert before == (40, 650) and after == (65, 750)
-    assert steal_share(before, after) == 0.25
+    assert tick_share(before, after) == 0.25
     # and an unreadable or non-advancing reading gives no share rather than a wrong one
     assert cpu_times(tmp_path / "missing") is None
-    assert steal_share(None, after) is None and steal_share(after, after) is None
+    assert tick_share(None, after) is None and tick_share(after, after) is None
 
 
 def test_the_busy_share_is_the_cpu_time_spent_neither_idle_nor_waiting_for_io(tmp_path: Path) -> None:
@@ -34,7 +34,7 @@ def test_the_busy_share_is_the_cpu_time_spent_neither_idle_nor_waiting_for_io(tm
     after = busy_times(_stat(tmp_path / "b", user=150, idle=600, steal=50, iowait=60))
     # Then busy counts user, system and steal, not idle or iowait
     assert before == (150, 670) and after == (210, 870)
-    assert steal_share(before, after) == 0.3
+    assert tick_share(before, after) == 0.3
     assert busy_times(tmp_path / "missing") is None
 
 
