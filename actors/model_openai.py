@@ -16,8 +16,12 @@
   tools Tether sends, yet costs 2 ms of CPU for a six-message prompt and grows with the transcript (74 ms at
   400 messages; a node's model client pays it for every trajectory on the node). Everything else is the
   SDK's as before: auth and default headers, timeout, HTTP errors as its exception types, the SSE stream
-  and its chunk types. ``tests/unit/actors/test_openai_body.py`` keeps the claim honest: the SDK's transform
-  leaves every body shape this adapter builds unchanged.
+  with its error events. ``tests/unit/actors/test_openai_body.py`` keeps the claim honest: the SDK's
+  transform leaves every body shape this adapter builds unchanged.
+- The stream's chunks come as the SDK's parsed JSON (``AsyncStream[object]``), not as ``ChatCompletionChunk``
+  objects: the SDK builds those without validating them (``construct``), which cost a third of a streamed
+  call's remaining CPU, and this adapter reads five fields of each. It checks the shape of what it reads
+  instead (:class:`ChunkShapeError` names the field, its type and the expected one).
 
 Errors: nothing but ``runtime.errors`` types leaves ``complete``. A 429 is :class:`ModelRateLimited` (a
 ``ProviderRateLimited``: admission feedback, with the parsed ``RateLimitInfo``). Everything else that goes
@@ -71,6 +75,7 @@ __all__ = [
     "TRAJECTORY_HEADER",
     "CallObserved",
     "CallObserver",
+    "ChunkShapeError",
     "ModelCallFailed",
     "ModelRateLimited",
     "OpenAIModel",
@@ -318,7 +323,7 @@ class OpenAIModel:
             headers[SCENARIO_HEADER] = scenario
         client = self._api()
         import openai  # loaded by _api(): the except clauses below name its error types
-        from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        from openai.types.chat import ChatCompletion
 
         try:
             stream = await client.post(
@@ -327,7 +332,7 @@ class OpenAIModel:
                 cast_to=ChatCompletion,
                 options={"headers": headers, "timeout": timeout},
                 stream=True,
-                stream_cls=openai.AsyncStream[ChatCompletionChunk],
+                stream_cls=openai.AsyncStream[object],  # each chunk as parsed JSON
             )
             async with stream:  # leaving it closes the HTTP stream, mid-way on a cancel
                 state.status = stream.response.status_code
@@ -352,33 +357,41 @@ class OpenAIModel:
             raise ModelCallCancelled(cancel.reason or "cancelled", usage)
         return self._reply(request, state)
 
-    def _absorb(self, chunk: Any, state: _Stream) -> None:
-        usage = getattr(chunk, "usage", None)
+    def _absorb(self, chunk: object, state: _Stream) -> None:
+        fields = _object(chunk, "the chunk")
+        usage = fields.get("usage")
         if usage is not None:
-            state.usage = _usage_of(usage)
-        for choice in chunk.choices or ():
-            delta = choice.delta
+            state.usage = _usage_of(_object(usage, "usage"))
+        for number, listed in enumerate(_array(fields.get("choices"), "choices")):
+            where = f"choices[{number}]"
+            choice = _object(listed, where)
+            delta = _object(choice.get("delta", {}), f"{where}.delta")
             carried = False
-            # ``delta.content`` read plainly: a delta that is no object (the SDK does not validate chunks)
-            # raises here, and the call fails naming this chunk instead of skipping it silently
-            for text in (delta.content, getattr(delta, "refusal", None)):
-                if text:
+            for key in ("content", "refusal"):
+                if text := _text(delta.get(key), f"{where}.delta.{key}"):
                     state.text.append(text)
                     carried = True
-            for tool_call in delta.tool_calls or ():
-                slot = state.calls.setdefault(tool_call.index, _CallSlot())
-                if tool_call.id:
-                    slot.call_id = tool_call.id
-                if tool_call.function is not None:
-                    slot.name += tool_call.function.name or ""
-                    if tool_call.function.arguments:
-                        slot.arguments.append(tool_call.function.arguments)
+            for place, listed_call in enumerate(_array(delta.get("tool_calls"), f"{where}.delta.tool_calls")):
+                at = f"{where}.delta.tool_calls[{place}]"
+                tool_call = _object(listed_call, at)
+                index = tool_call.get("index")
+                if type(index) is not int:
+                    raise ChunkShapeError(f"{at}.index", index, "an integer")
+                slot = state.calls.setdefault(index, _CallSlot())
+                if call_id := _text(tool_call.get("id"), f"{at}.id"):
+                    slot.call_id = call_id
+                function = tool_call.get("function")
+                if function is not None:
+                    function = _object(function, f"{at}.function")
+                    slot.name += _text(function.get("name"), f"{at}.function.name")
+                    if arguments := _text(function.get("arguments"), f"{at}.function.arguments"):
+                        slot.arguments.append(arguments)
                 carried = True
             if carried:
                 state.chunks += 1
                 self._on_chunk(state.chunks)
-            if choice.finish_reason:
-                state.finish_reason = choice.finish_reason
+            if finish_reason := _text(choice.get("finish_reason"), f"{where}.finish_reason"):
+                state.finish_reason = finish_reason
         state.received += 1
 
     def _reply(self, request: ModelRequest, state: _Stream) -> ModelReply:
@@ -476,13 +489,70 @@ def _describe(error: Exception) -> str:
     return text
 
 
-def _usage_of(reported: Any) -> Usage:
-    """``Usage`` from the SDK's ``CompletionUsage`` (cached tokens split out of the prompt)."""
-    details = getattr(reported, "prompt_tokens_details", None)
-    cached = int(getattr(details, "cached_tokens", 0) or 0)
-    prompt = int(reported.prompt_tokens or 0)
+class ChunkShapeError(ValueError):
+    """A stream chunk that parsed as JSON but is not shaped like a chat completion chunk where it is read."""
+
+    def __init__(self, where: str, value: object, expected: str) -> None:
+        shown = json.dumps(value, default=str)
+        shown = shown if len(shown) <= _EXCERPT else shown[:_EXCERPT] + "..."
+        super().__init__(f"{where} is {_json_type(value)} {shown}, expected {expected}")
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, bool) or value is None:
+        return "JSON " + json.dumps(value)
+    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _object(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ChunkShapeError(where, value, "an object")
+    return value
+
+
+def _array(value: object, where: str) -> list[Any]:
+    """A list, or none at all (absent or null)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ChunkShapeError(where, value, "an array")
+    return value
+
+
+def _text(value: object, where: str) -> str:
+    """A string, or the empty string for absent or null."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ChunkShapeError(where, value, "a string")
+    return value
+
+
+def _count(value: object, where: str) -> int:
+    """A token count: a non-negative integer, or 0 for absent or null."""
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        raise ChunkShapeError(where, value, "a non-negative integer")
+    return value
+
+
+def _usage_of(reported: dict[str, Any]) -> Usage:
+    """``Usage`` from the final chunk's ``usage`` (cached tokens split out of the prompt)."""
+    details = reported.get("prompt_tokens_details")
+    cached = (
+        0
+        if details is None
+        else _count(
+            _object(details, "usage.prompt_tokens_details").get("cached_tokens"),
+            "usage.prompt_tokens_details.cached_tokens",
+        )
+    )
+    prompt = _count(reported.get("prompt_tokens"), "usage.prompt_tokens")
     return Usage(
         uncached_input=max(0, prompt - cached),
         cached_input=cached,
-        output=int(reported.completion_tokens or 0),
+        output=_count(reported.get("completion_tokens"), "usage.completion_tokens"),
     )

@@ -85,6 +85,28 @@ BEHAVIOURS: dict[str, Handler] = {
     "empty_no_usage": lambda r: sse(r, [chunk(finish="stop")]),
     "malformed": lambda r: sse(r, [chunk("Hel"), chunk("lo"), '{"id": "c1", "choices": [{"delta": {"cont']),
     "wrong_shape": lambda r: sse(r, [chunk("Hel"), json.dumps({"choices": [{"delta": 7}]})]),
+    "choices_object": lambda r: sse(r, [chunk("Hel"), json.dumps({"choices": {"delta": {"content": "lo"}}})]),
+    "text_number": lambda r: sse(r, [chunk("Hel"), json.dumps({"choices": [{"delta": {"content": 42}}]})]),
+    "tool_index_text": lambda r: sse(
+        r,
+        [
+            chunk("Hel"),
+            json.dumps({"choices": [{"delta": {"tool_calls": [{"index": "0", "function": {"name": "f"}}]}}]}),
+        ],
+    ),
+    "tool_name_object": lambda r: sse(
+        r,
+        [
+            chunk("Hel"),
+            json.dumps(
+                {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": {"x": 1}}}]}}]}
+            ),
+        ],
+    ),
+    "usage_text": lambda r: sse(
+        r, [chunk("Hel"), chunk(finish="stop"), json.dumps({"choices": [], "usage": {"prompt_tokens": "11"}})]
+    ),
+    "chunk_array": lambda r: sse(r, [chunk("Hel"), json.dumps([{"choices": []}])]),
     "reset": lambda r: sse(r, [chunk("one"), chunk("two"), chunk("three")], end="reset"),
     "reset_after_usage": lambda r: sse(
         r, [chunk("Hi"), chunk(finish="stop"), chunk(usage=USAGE)], end="reset"
@@ -252,6 +274,29 @@ async def test_a_malformed_sse_line_is_a_failed_call_naming_the_line_and_billing
 async def test_a_chunk_of_the_wrong_shape_is_a_failed_call(model: Model) -> None:
     error = await failure(model, "wrong_shape")
     assert "at chunk 2" in str(error) and error.usage.output == 1
+    assert "ChunkShapeError: choices[0].delta is a number 7, expected an object" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("name", "at", "named"),
+    [
+        ("choices_object", 2, 'choices is an object {"delta": {"content": "lo"}}, expected an array'),
+        ("text_number", 2, "choices[0].delta.content is a number 42, expected a string"),
+        ("tool_index_text", 2, 'choices[0].delta.tool_calls[0].index is a string "0", expected an integer'),
+        ("tool_name_object", 2, 'tool_calls[0].function.name is an object {"x": 1}, expected a string'),
+        ("usage_text", 3, 'usage.prompt_tokens is a string "11", expected a non-negative integer'),
+        ("chunk_array", 2, 'the chunk is an array [{"choices": []}], expected an object'),
+    ],
+)
+async def test_every_field_the_adapter_reads_is_checked_and_a_wrong_one_is_named(
+    model: Model, name: str, at: int, named: str
+) -> None:
+    """The adapter reads the chunks as JSON, not as the SDK's objects: whatever field it reads has the type
+    it expects or the call fails naming the field, the value and the type wanted, billing what came first."""
+    error = await failure(model, name)
+    assert f"HTTP 200 stream at chunk {at}" in str(error) and named in str(error)
+    assert not error.non_retryable and error.usage_estimated
+    assert error.usage == Usage(uncached_input=estimate_prompt_tokens(request(name)), output=1)
 
 
 async def test_a_reset_mid_stream_is_a_failed_call_billing_the_chunks_before_it(model: Model) -> None:
