@@ -365,7 +365,8 @@ class OpenAIModel:
         for number, listed in enumerate(_array(fields.get("choices"), "choices")):
             where = f"choices[{number}]"
             choice = _object(listed, where)
-            delta = _object(choice.get("delta", {}), f"{where}.delta")
+            delta = choice.get("delta")
+            delta = {} if delta is None else _object(delta, f"{where}.delta")  # absent or null: no content
             carried = False
             for key in ("content", "refusal"):
                 if text := _text(delta.get(key), f"{where}.delta.{key}"):
@@ -494,16 +495,19 @@ class ChunkShapeError(ValueError):
 
     def __init__(self, where: str, value: object, expected: str) -> None:
         shown = json.dumps(value, default=str)
-        shown = shown if len(shown) <= _EXCERPT else shown[:_EXCERPT] + "..."
-        super().__init__(f"{where} is {_json_type(value)} {shown}, expected {expected}")
+        if len(shown) > _EXCERPT:
+            shown = shown[:_EXCERPT] + "..."
+        kind = _JSON_KINDS.get(type(value))
+        super().__init__(f"{where} is {f'{kind} {shown}' if kind else shown}, expected {expected}")
 
 
-def _json_type(value: object) -> str:
-    if isinstance(value, bool) or value is None:
-        return "JSON " + json.dumps(value)
-    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}.get(
-        type(value), type(value).__name__
-    )
+_JSON_KINDS: Mapping[type, str] = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+}
 
 
 def _object(value: object, where: str) -> dict[str, Any]:

@@ -107,6 +107,21 @@ BEHAVIOURS: dict[str, Handler] = {
         r, [chunk("Hel"), chunk(finish="stop"), json.dumps({"choices": [], "usage": {"prompt_tokens": "11"}})]
     ),
     "chunk_array": lambda r: sse(r, [chunk("Hel"), json.dumps([{"choices": []}])]),
+    "text_true": lambda r: sse(r, [chunk("Hel"), json.dumps({"choices": [{"delta": {"content": True}}]})]),
+    "tool_index_null": lambda r: sse(
+        r, [chunk("Hel"), json.dumps({"choices": [{"delta": {"tool_calls": [{"index": None, "id": "c"}]}}]})]
+    ),
+    "sparse_chunks": lambda r: sse(  # what OpenAI-compatible servers omit or send as null
+        r,
+        [
+            json.dumps({"choices": []}),  # a first chunk with no choices (Azure's prompt filter results)
+            json.dumps({"choices": [{"index": 0, "delta": None}]}),
+            json.dumps({"choices": [{"index": 0, "content_filter_results": {}}]}),  # no delta at all
+            json.dumps({"choices": [{"delta": {"content": "Hi", "refusal": None, "tool_calls": None}}]}),
+            json.dumps({"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": None}),
+            json.dumps({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 1}}),
+        ],
+    ),
     "reset": lambda r: sse(r, [chunk("one"), chunk("two"), chunk("three")], end="reset"),
     "reset_after_usage": lambda r: sse(
         r, [chunk("Hi"), chunk(finish="stop"), chunk(usage=USAGE)], end="reset"
@@ -232,6 +247,12 @@ async def test_a_good_stream_carries_the_providers_usage_and_its_limits(model: M
     assert reply.rate_limit.reset_tokens_s == pytest.approx(0.02)
 
 
+async def test_fields_a_server_omits_or_sends_as_null_are_read_as_empty(model: Model) -> None:
+    reply = await model.complete(request("sparse_chunks"), CancelToken())
+    assert (reply.stop_reason, reply.text, reply.tool_calls) == (StopReason.END_TURN, "Hi", [])
+    assert reply.usage == Usage(uncached_input=11, output=1) and not reply.usage_estimated
+
+
 async def test_a_provider_that_sends_no_usage_is_metered_from_the_estimate_and_flagged(
     model: Model,
 ) -> None:
@@ -286,6 +307,8 @@ async def test_a_chunk_of_the_wrong_shape_is_a_failed_call(model: Model) -> None
         ("tool_name_object", 2, 'tool_calls[0].function.name is an object {"x": 1}, expected a string'),
         ("usage_text", 3, 'usage.prompt_tokens is a string "11", expected a non-negative integer'),
         ("chunk_array", 2, 'the chunk is an array [{"choices": []}], expected an object'),
+        ("text_true", 2, "choices[0].delta.content is true, expected a string"),
+        ("tool_index_null", 2, "choices[0].delta.tool_calls[0].index is null, expected an integer"),
     ],
 )
 async def test_every_field_the_adapter_reads_is_checked_and_a_wrong_one_is_named(
