@@ -189,10 +189,8 @@ class OpenAIModel:
         return self._client
 
     def warm(self) -> None:
-        """Build the HTTP client (and import ``openai`` with the chat types a call parses) now, not on the
-        first call."""
+        """Build the HTTP client now, not on the first call (importing ``openai`` loads its chat types)."""
         self._api()
-        import openai.types.chat  # noqa: F401
 
     async def connect(self) -> bool:
         """Open a connection to the provider ahead of the first call, with ``GET /models`` (the API's model

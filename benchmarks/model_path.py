@@ -8,9 +8,11 @@ one completion from the testbed provider (a subprocess: its CPU is not counted),
 message, a goal and ``R`` rounds of an assistant tool call and its result, and three tool specs:
 
 - ``tether``: ``actors.model_openai.OpenAIModel.complete``, the product's path (the ``openai`` client's
-  ``post``, the SDK's stream and chunk types, usage and rate-limit headers parsed, the reply assembled);
+  ``post``, the SDK's stream with each chunk as its parsed JSON, every field read type-checked, usage and
+  rate-limit headers parsed, the reply assembled);
 - ``sdk_create``: the same client's typed ``chat.completions.with_streaming_response.create`` and a read of
-  every chunk's delta: what the adapter did before it posted its body itself;
+  every chunk's delta from the SDK's chunk objects: what the adapter did before it posted its body itself
+  (``4967dbc``) and read the chunks as JSON (``96dfe55``);
 - ``aiohttp_floor``: ``aiohttp`` posting the same JSON and ``json.loads`` of every SSE line, no SDK: the
   floor of HTTP and JSON in Python.
 

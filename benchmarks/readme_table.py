@@ -159,9 +159,8 @@ def turn_overhead(d: Mapping[str, Any]) -> str:
 
 def model_path(d: Mapping[str, Any]) -> str:
     parts = []
-    for row in sorted(
-        (d.get("by_rounds") or {}).values(), key=lambda r: r["messages"]
-    ):  # JSON keys sort as text
+    rows = sorted((d.get("by_rounds") or {}).values(), key=lambda r: r["messages"])  # keys sort as text
+    for row in rows:
         cpu = {path: row[path]["cpu_ms_per_call"] for path in ("tether", "sdk_create", "aiohttp_floor")}
         parts.append(
             f"{row['messages']} messages: **tether** {_s(cpu['tether'], 1, ' ms')}, SDK `create` "
