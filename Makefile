@@ -126,12 +126,15 @@ BENCHES := log_append turn_overhead model_path guard_throughput node_capacity ra
 
 bench: setup
 	@set -e; for b in $(BENCHES); do echo "== benchmarks.$$b"; $(BIN)/python -m benchmarks.$$b; done
+	@echo "== benchmarks.rate_limit --scenario interactive_users"
+	$(BIN)/python -m benchmarks.rate_limit --scenario interactive_users
 	@if [ -f benchmarks/chaos.py ]; then echo "== benchmarks.chaos"; $(BIN)/python -m benchmarks.chaos; fi
 	$(BIN)/python -m benchmarks.readme_table
 
 bench-quick: setup
 	@set -e; for b in $(filter-out control_latency,$(BENCHES)); do echo "== benchmarks.$$b --quick"; \
 		$(BIN)/python -m benchmarks.$$b --quick; done
+	$(BIN)/python -m benchmarks.rate_limit --quick --scenario interactive_users
 
 clean:
 	rm -rf $(VENV) .tether .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -76,6 +76,9 @@ class ClassSpec:
     turns: int  # tool calls before the final answer
     tool_s: tuple[float, float]  # usual tool time, uniform
     long_tool_p: float  # chance a tool step is a long build of 1-2 provider windows
+    # A user's pause between one trajectory and the next, in provider windows (uniform); (0, 0): none, the
+    # slot starts its next trajectory at once and the class is backlogged.
+    think_windows: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass

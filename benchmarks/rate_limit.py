@@ -18,6 +18,12 @@ on this 2-core machine; ``benchmarks/node_capacity.py`` measures what actors cos
 the scheduler actor instead of the in-process scheduler. Classes are dealt 40/30/30 % interactive/standard/
 batch, and each asks for far more than its weighted share, so all three are backlogged.
 
+Two demand scenarios (``--scenario``). ``backlogged``, the headline: every class asks for far more than its
+share all the time, the one case a static split fills its slices in. ``interactive_users``: each interactive
+slot is a user who pauses 1.5-3.5 provider windows between trajectories (drawn per slot, the same for every
+policy), so interactive asks for about half of its 40 % while standard and batch stay backlogged; it writes
+``rate_limit.interactive_users.json``.
+
 Each policy runs ``warmup`` (one provider window: nobody profits from an empty window) then ``measure`` (two
 windows). Judged by the provider's own counters over the measured interval: **goodput** (tokens billed for
 served requests per window / the limit), **429s**, **completed trajectories per minute**, class shares of the
@@ -25,8 +31,9 @@ tokens; the client's view: per class p50/p99 **wait** from "turn ready" to the m
 round trips and backoff included). Every quantity is repeated ``--runs`` times (min/median/max).
 
     .venv/bin/python -m benchmarks.rate_limit [--quick] [--runs 3] [--provider-mode token_bucket] [--ray]
+        [--scenario interactive_users] [--policies tether,static_split]
 
-Writes ``benchmarks/results/rate_limit.json`` (``--quick``: ``rate_limit.quick.json``) and a PNG.
+Writes ``benchmarks/results/rate_limit[.<scenario>].json`` (``--quick``: ``...quick.json``) and a PNG.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -74,6 +81,15 @@ CLASSES = (
     ),
     ClassSpec("batch", 1.0, 0.3, goal_words=280, max_tokens=96, turns=8, tool_s=(0.1, 0.5), long_tool_p=0.2),
 )
+# ``backlogged`` (the headline): every class asks for far more than its share, the case a static split is
+# built for. ``interactive_users``: the same classes, but each interactive slot is a user who pauses 1.5-3.5
+# provider windows (90-210 s at the full size) before the next trajectory, so that class asks for about half
+# of its 40 % share while standard and batch stay backlogged: the case a split set in advance meets whenever
+# demand moves away from the shares it was set to.
+SCENARIOS: dict[str, tuple[ClassSpec, ...]] = {
+    "backlogged": CLASSES,
+    "interactive_users": (replace(CLASSES[0], think_windows=(1.5, 3.5)), *CLASSES[1:]),
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,11 @@ class RunSpec:
     seed: int = 7
     use_ray: bool = False
     quick: bool = False
+    scenario: str = "backlogged"  # a key of SCENARIOS
+
+    @property
+    def classes(self) -> tuple[ClassSpec, ...]:
+        return SCENARIOS[self.scenario]
 
     @property
     def limit_tpm(self) -> float:
@@ -127,18 +148,30 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def class_of(index: int, trajectories: int) -> ClassSpec:
+def class_of(index: int, trajectories: int, classes: tuple[ClassSpec, ...] = CLASSES) -> ClassSpec:
     """Slots 0..N-1 are dealt to classes by their share, interleaved so start-up order is fair."""
-    counts = {c.name: round(c.share * trajectories) for c in CLASSES}
+    counts = {c.name: round(c.share * trajectories) for c in classes}
     order: list[str] = []
     while len(order) < trajectories:
-        for c in CLASSES:
+        for c in classes:
             if counts[c.name] > 0 and len(order) < trajectories:
                 order.append(c.name)
                 counts[c.name] -= 1
         if all(v <= 0 for v in counts.values()):
-            order.extend(CLASSES[0].name for _ in range(trajectories - len(order)))
-    return next(c for c in CLASSES if c.name == order[index])
+            order.extend(classes[0].name for _ in range(trajectories - len(order)))
+    return next(c for c in classes if c.name == order[index])
+
+
+def think_times(cls: ClassSpec, window_s: float, rng: random.Random) -> Iterator[float]:
+    """A user's pauses in one slot, in seconds: the first before its first trajectory (uniform up to the
+    longest pause, so the users' arrivals are spread from the start), then one after each trajectory. None
+    for a backlogged class. Drawn from a generator of the slot's own, so every policy sees the same users."""
+    low, high = cls.think_windows
+    if high <= 0:
+        return
+    yield rng.uniform(0.0, high * window_s)
+    while True:
+        yield rng.uniform(low, high) * window_s
 
 
 def limits_for(spec: RunSpec, share: float = 1.0) -> ProviderLimits:
@@ -195,7 +228,7 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
     elif policy == "static_split":
         per_job = {
             c.name: InProcessScheduler(SchedulerConfig(providers={key: limits_for(spec, c.share)}))
-            for c in CLASSES
+            for c in spec.classes
         }
         closers.extend(s.aclose for s in per_job.values())
         drive = tether_slot(lambda cls: per_job[cls.name])
@@ -223,9 +256,13 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
         raise ValueError(f"unknown policy {policy!r}")
 
     async def slot(index: int) -> None:
-        cls = class_of(index, spec.trajectories)
+        cls = class_of(index, spec.trajectories, spec.classes)
         rng = random.Random(spec.seed * 100_003 + run_no * 1_009 + index)
+        pauses = iter(think_times(cls, spec.window_s, random.Random(f"think-{spec.seed}-{run_no}-{index}")))
         for k in range(10**9):
+            pause = next(pauses, 0.0)
+            if pause:
+                await asyncio.sleep(pause)
             tid = f"{cls.name}-{index}-{k}"
             try:
                 completed = await drive(tid, cls, rng)
@@ -279,6 +316,9 @@ def summarize(spec: RunSpec, before: dict[str, Any], after: dict[str, Any], trac
         "rate_limited": after["rate_limited"] - before["rate_limited"],
         "completed_per_min": sum(trace.completed.values()) / (spec.measure_s / 60.0),
         "completed": dict(trace.completed),
+        "completed_per_min_by_class": {
+            c.name: trace.completed.get(c.name, 0) / (spec.measure_s / 60.0) for c in CLASSES
+        },
         "failed": dict(trace.failed),
         "accepted_requests_per_min": accepted / minutes,
         "prompt_tokens_per_request": prompt / accepted if accepted else None,
@@ -302,6 +342,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "goodput_ratio": spread([r["goodput_ratio"] for r in runs]),
         "rate_limited": spread([float(r["rate_limited"]) for r in runs], 0),
         "completed_per_min": spread([r["completed_per_min"] for r in runs], 1),
+        "completed_per_min_by_class": {
+            c.name: spread([r["completed_per_min_by_class"][c.name] for r in runs], 1) for c in CLASSES
+        },
         "failed_trajectories": spread([float(sum(r["failed"].values())) for r in runs], 0),
         "accepted_requests_per_min": spread([r["accepted_requests_per_min"] for r in runs], 1),
         "prompt_tokens_per_request": spread([r["prompt_tokens_per_request"] or 0.0 for r in runs], 1),
@@ -344,7 +387,7 @@ def write_png(
     ax_t.axvline(spec.warmup_s, color="black", linewidth=0.6)
     ax_t.set_xlabel("seconds since start, last run (measured after the vertical line)")
     ax_t.set_ylabel(f"served tokens in the last {spec.window_s:g} s / L")
-    ax_t.set_title(f"{spec.trajectories} trajectories, provider {spec.provider_mode}")
+    ax_t.set_title(f"{spec.trajectories} trajectories ({spec.scenario}), provider {spec.provider_mode}")
     ax_t.legend(fontsize=8, loc="lower right")
     ax_t.grid(alpha=0.3)
     names = [c.name for c in CLASSES]
@@ -399,7 +442,7 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
             ray.shutdown()
     agg = {p: aggregate(rs) for p, rs in per_policy.items()}
     last = {p: rs[-1] for p, rs in per_policy.items()}
-    settings = {**asdict(spec), "classes": [asdict(c) for c in CLASSES], "policies": list(policies)}
+    settings = {**asdict(spec), "classes": [asdict(c) for c in spec.classes], "policies": list(policies)}
     settings["scheduler"] = (
         "SchedulerHandle (Ray actor)" if spec.use_ray else "InProcessScheduler (same core)"
     )
@@ -429,10 +472,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--headroom", type=float, help="override the scheduler's default headroom")
     parser.add_argument("--ray", action="store_true", help="admit through the scheduler actor")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--out", type=Path, help="result path (default: results/rate_limit[.quick].json)")
+    parser.add_argument(
+        "--scenario",
+        choices=list(SCENARIOS),
+        default="backlogged",
+        help="backlogged: every class asks for more than its share (the headline); interactive_users: "
+        "interactive users pause between trajectories (writes rate_limit.interactive_users.json)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="result path (default: results/rate_limit[.<scenario>][.quick].json)"
+    )
     args = parser.parse_args(argv)
     spec = QUICK if args.quick else FULL
-    overrides: dict[str, Any] = {"use_ray": args.ray}
+    overrides: dict[str, Any] = {"use_ray": args.ray, "scenario": args.scenario}
     for field_name, value in (
         ("runs", None if args.runs is None else max(MIN_RUNS, args.runs)),
         ("trajectories", args.trajectories),
@@ -445,7 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     spec = replace(spec, **overrides)
     report = asyncio.run(run(spec, tuple(p for p in args.policies.split(",") if p)))
     last = report.pop("_last")
-    out: Path = args.out or result_path(NAME, spec.quick)
+    name = NAME if spec.scenario == "backlogged" else f"{NAME}.{spec.scenario}"
+    out: Path = args.out or result_path(name, spec.quick)
     write_png(out.with_suffix(".png"), spec, last, report["policies"])
     write_json(out.stem, report, out.parent)
     print(out)

@@ -64,17 +64,33 @@ def _provenance(data: Mapping[str, Any]) -> str:
 
 
 def rate_limit(d: Mapping[str, Any]) -> str:
+    settings = d.get("settings") or {}
+    scenario = settings.get("scenario", "backlogged")
     parts = []
     for name, p in d["policies"].items():
         waits = p.get("wait_ms", {}).get("interactive", {})
+        by_class = ""
+        if scenario != "backlogged":  # where the classes' demand differs, say who completed what
+            counts = p.get("completed_per_min_by_class") or {}
+            by_class = " (" + ", ".join(f"{c} {_s(v, 1)}" for c, v in counts.items()) + ")"
         parts.append(
             f"**{name}** goodput {_s(p['goodput_ratio'], 3)}, 429s {_s(p['rate_limited'])}, "
-            f"completed/min {_s(p['completed_per_min'], 1)}, interactive wait p99 {waits.get('p99')} ms"
+            f"completed/min {_s(p['completed_per_min'], 1)}{by_class}, "
+            f"interactive wait p99 {waits.get('p99')} ms"
         )
-    headroom = (d.get("settings") or {}).get("headroom_used")
+    users = ""
+    if scenario != "backlogged":
+        classes = settings.get("classes", [])
+        pauses = [c["think_windows"] for c in classes if c.get("think_windows", [0, 0])[1]]
+        window = settings.get("window_s")
+        users = f", scenario `{scenario}`" + (
+            f" (users pause {pauses[0][0] * window:g}-{pauses[0][1] * window:g} s between trajectories)"
+            if pauses and window
+            else ""
+        )
     return (
-        f"{d.get('trajectories')} trajectories, provider `{d.get('provider_mode')}`, scheduler headroom "
-        f"{headroom}: " + "; ".join(parts)
+        f"{d.get('trajectories')} trajectories{users}, provider `{d.get('provider_mode')}`, scheduler "
+        f"headroom {settings.get('headroom_used')}: " + "; ".join(parts)
     )
 
 
@@ -240,6 +256,7 @@ def chaos(d: Mapping[str, Any]) -> str:
 
 ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("rate_limit", rate_limit),
+    ("rate_limit.interactive_users", rate_limit),
     ("retry_storm", retry_storm),
     ("shared_limits", shared_limits),
     ("node_capacity", node_capacity),
