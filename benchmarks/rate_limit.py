@@ -11,7 +11,8 @@ every run each policy gets the same provider, freshly reset, one after the other
 - ``backoff``: per-trajectory full-jitter exponential backoff honouring ``Retry-After`` (the provider
   cookbook's recommendation), SDK retries off;
 - ``static_split``: Tether's trajectory code and scheduler, but the limit split statically across three jobs
-  (one per class, each holding its share of the trajectories' share of the limit).
+  (one per class, each holding its share of the trajectories' share of the limit; ``--split`` sets other
+  shares, e.g. the ones a run measured, to try the split an operator who knew the demand would set).
 
 Trajectory slots are asyncio tasks in this process (200 Ray actors of ~150 MB do not fit beside the other work
 on this 2-core machine; ``benchmarks/node_capacity.py`` measures what actors cost); ``--ray`` admits through
@@ -110,6 +111,7 @@ class RunSpec:
     use_ray: bool = False
     quick: bool = False
     scenario: str = "backlogged"  # a key of SCENARIOS
+    split: tuple[float, ...] | None = None  # the static split's shares; None: the classes' shares
 
     @property
     def classes(self) -> tuple[ClassSpec, ...]:
@@ -227,8 +229,8 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
         drive = tether_slot(lambda _cls: port)
     elif policy == "static_split":
         per_job = {
-            c.name: InProcessScheduler(SchedulerConfig(providers={key: limits_for(spec, c.share)}))
-            for c in spec.classes
+            c.name: InProcessScheduler(SchedulerConfig(providers={key: limits_for(spec, share)}))
+            for c, share in zip(spec.classes, spec.split or [c.share for c in spec.classes], strict=True)
         }
         closers.extend(s.aclose for s in per_job.values())
         drive = tether_slot(lambda cls: per_job[cls.name])
@@ -462,6 +464,22 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
+def split_shares(text: str) -> tuple[float, ...]:
+    """``--split``: one share per class, in the classes' order, each above 0, together at most 1."""
+    try:
+        shares = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--split {text!r}: expected numbers separated by commas") from None
+    if len(shares) != len(CLASSES):
+        names = ",".join(c.name for c in CLASSES)
+        raise argparse.ArgumentTypeError(f"--split {text!r}: expected {len(CLASSES)} shares ({names})")
+    if min(shares) <= 0 or sum(shares) > 1.0 + 1e-9:
+        raise argparse.ArgumentTypeError(
+            f"--split {text!r}: each share must be above 0 and together at most 1 (sum {sum(shares):g})"
+        )
+    return shares
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="time-compressed (10 s windows), a few minutes")
@@ -480,6 +498,12 @@ def main(argv: list[str] | None = None) -> None:
         "interactive users pause between trajectories (writes rate_limit.interactive_users.json)",
     )
     parser.add_argument(
+        "--split",
+        type=split_shares,
+        help="the static split's shares of the limit per class, interactive,standard,batch "
+        "(default: the classes' shares, 0.4,0.3,0.3)",
+    )
+    parser.add_argument(
         "--out", type=Path, help="result path (default: results/rate_limit[.<scenario>][.quick].json)"
     )
     args = parser.parse_args(argv)
@@ -491,6 +515,7 @@ def main(argv: list[str] | None = None) -> None:
         ("measure_s", args.measure_s),
         ("provider_mode", args.provider_mode),
         ("headroom", args.headroom),
+        ("split", args.split),
     ):
         if value is not None:
             overrides[field_name] = value

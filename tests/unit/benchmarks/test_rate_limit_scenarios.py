@@ -3,13 +3,17 @@ sees the same users, and the README row says which scenario it measured."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.rate_limit import CLASSES, SCENARIOS, RunSpec, class_of, think_times
+import pytest
+
+from benchmarks.rate_limit import CLASSES, SCENARIOS, RunSpec, class_of, split_shares, think_times
 from benchmarks.readme_table import table
 
 
@@ -73,3 +77,15 @@ def test_the_readme_row_of_the_interactive_users_says_how_long_they_pause_and_wh
     headline = next(line for line in lines if "`rate_limit`" in line)
     assert "scenario" not in headline and "(interactive" not in headline
     assert "goodput 0.750 [0.700-0.800]" in headline
+
+
+def test_split_takes_one_share_per_class_and_says_what_was_wrong() -> None:
+    assert split_shares("0.2,0.4,0.4") == (0.2, 0.4, 0.4)
+    for text, wrong in (
+        ("0.5,0.5", "expected 3 shares (interactive,standard,batch)"),
+        ("0.2,x,0.4", "expected numbers separated by commas"),
+        ("0.5,0.5,0.5", "together at most 1 (sum 1.5)"),
+        ("0,0.5,0.5", "each share must be above 0"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(wrong)):
+            split_shares(text)
