@@ -22,8 +22,8 @@ batch, and each asks for far more than its weighted share, so all three are back
 Two demand scenarios (``--scenario``). ``backlogged``, the headline: every class asks for far more than its
 share all the time, the one case a static split fills its slices in. ``interactive_users``: each interactive
 slot is a user who pauses 1.5-3.5 provider windows between trajectories (drawn per slot, the same for every
-policy), so interactive asks for about half of its 40 % while standard and batch stay backlogged; it writes
-``rate_limit.interactive_users.json``.
+policy), so interactive asks for about a third of its 40 % (0.13 of the limit) while standard and batch stay
+backlogged; it writes ``rate_limit.interactive_users.json``.
 
 Each policy runs ``warmup`` (one provider window: nobody profits from an empty window) then ``measure`` (two
 windows). Judged by the provider's own counters over the measured interval: **goodput** (tokens billed for
@@ -84,9 +84,9 @@ CLASSES = (
 )
 # ``backlogged`` (the headline): every class asks for far more than its share, the case a static split is
 # built for. ``interactive_users``: the same classes, but each interactive slot is a user who pauses 1.5-3.5
-# provider windows (90-210 s at the full size) before the next trajectory, so that class asks for about half
-# of its 40 % share while standard and batch stay backlogged: the case a split set in advance meets whenever
-# demand moves away from the shares it was set to.
+# provider windows (90-210 s at the full size) before the next trajectory, so that class asks for about a
+# third of its 40 % share (0.13 of the limit at the full size) while standard and batch stay backlogged: the
+# case a split set in advance meets whenever demand moves away from the shares it was set to.
 SCENARIOS: dict[str, tuple[ClassSpec, ...]] = {
     "backlogged": CLASSES,
     "interactive_users": (replace(CLASSES[0], think_windows=(1.5, 3.5)), *CLASSES[1:]),
