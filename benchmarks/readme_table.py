@@ -72,7 +72,8 @@ def rate_limit(d: Mapping[str, Any]) -> str:
         by_class = ""
         if scenario != "backlogged":  # where the classes' demand differs, say who completed what
             counts = p.get("completed_per_min_by_class") or {}
-            by_class = " (" + ", ".join(f"{c} {_s(v, 1)}" for c, v in counts.items()) + ")"
+            order = [c["name"] for c in settings.get("classes", []) if c.get("name") in counts]
+            by_class = " (" + ", ".join(f"{c} {_s(counts[c], 1)}" for c in order or sorted(counts)) + ")"
         parts.append(
             f"**{name}** goodput {_s(p['goodput_ratio'], 3)}, 429s {_s(p['rate_limited'])}, "
             f"completed/min {_s(p['completed_per_min'], 1)}{by_class}, "
