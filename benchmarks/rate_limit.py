@@ -260,7 +260,7 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
     async def slot(index: int) -> None:
         cls = class_of(index, spec.trajectories, spec.classes)
         rng = random.Random(spec.seed * 100_003 + run_no * 1_009 + index)
-        pauses = iter(think_times(cls, spec.window_s, random.Random(f"think-{spec.seed}-{run_no}-{index}")))
+        pauses = think_times(cls, spec.window_s, random.Random(f"think-{spec.seed}-{run_no}-{index}"))
         for k in range(10**9):
             pause = next(pauses, 0.0)
             if pause:
@@ -464,6 +464,12 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
+def result_name(spec: RunSpec) -> str:
+    """``rate_limit`` for the headline; a scenario or a split of one's own never writes over it."""
+    name = NAME if spec.scenario == "backlogged" else f"{NAME}.{spec.scenario}"
+    return f"{name}.tuned_split" if spec.split is not None else name
+
+
 def split_shares(text: str) -> tuple[float, ...]:
     """``--split``: one share per class, in the classes' order, each above 0, together at most 1."""
     try:
@@ -504,7 +510,9 @@ def main(argv: list[str] | None = None) -> None:
         "(default: the classes' shares, 0.4,0.3,0.3)",
     )
     parser.add_argument(
-        "--out", type=Path, help="result path (default: results/rate_limit[.<scenario>][.quick].json)"
+        "--out",
+        type=Path,
+        help="result path (default: results/rate_limit[.<scenario>][.tuned_split][.quick].json)",
     )
     args = parser.parse_args(argv)
     spec = QUICK if args.quick else FULL
@@ -522,8 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = replace(spec, **overrides)
     report = asyncio.run(run(spec, tuple(p for p in args.policies.split(",") if p)))
     last = report.pop("_last")
-    name = NAME if spec.scenario == "backlogged" else f"{NAME}.{spec.scenario}"
-    out: Path = args.out or result_path(name, spec.quick)
+    out: Path = args.out or result_path(result_name(spec), spec.quick)
     write_png(out.with_suffix(".png"), spec, last, report["policies"])
     write_json(out.stem, report, out.parent)
     print(out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 from benchmarks.node_capacity import cpu_rates, process_cpu, summarise_idle
 
@@ -31,12 +32,23 @@ def test_a_process_cpu_time_is_what_the_kernel_charged_every_thread() -> None:
     assert used >= 0.3 - 4 * tick
 
 
+def _until_the_task_is_gone(thread: threading.Thread) -> None:
+    """``join`` returns before the kernel has reaped the thread's task; while its entry is still listed,
+    a reading counts its switches, and the next one, taken once it is gone, would not."""
+    task = Path(f"/proc/self/task/{thread.native_id}")
+    deadline = time.monotonic() + 10.0
+    while task.exists():
+        assert time.monotonic() < deadline, f"{task} still listed 10 s after the thread was joined"
+        time.sleep(0.001)
+
+
 def test_each_sleep_of_the_main_thread_is_a_wakeup_of_the_main_thread_and_of_the_process() -> None:
     # Given the main thread sleeps 30 times, and another thread 30 times
     before = process_cpu()
     sleeper = threading.Thread(target=lambda: [time.sleep(0.001) for _ in range(30)])
     sleeper.start()
     sleeper.join()
+    _until_the_task_is_gone(sleeper)
     middle = process_cpu()
     for _ in range(30):
         time.sleep(0.001)

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.rate_limit import CLASSES, SCENARIOS, RunSpec, class_of, split_shares, think_times
+from benchmarks.rate_limit import (
+    CLASSES,
+    SCENARIOS,
+    RunSpec,
+    class_of,
+    result_name,
+    split_shares,
+    think_times,
+)
 from benchmarks.readme_table import table
 
 
@@ -89,3 +97,12 @@ def test_split_takes_one_share_per_class_and_says_what_was_wrong() -> None:
     ):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(wrong)):
             split_shares(text)
+
+
+def test_only_the_backlogged_run_at_the_classes_shares_writes_the_headline_file() -> None:
+    spec = RunSpec(10, 1, 1, 60.0, 1.0, 1.0)
+    assert result_name(spec) == "rate_limit"
+    assert result_name(replace(spec, scenario="interactive_users")) == "rate_limit.interactive_users"
+    tuned = replace(spec, scenario="interactive_users", split=(0.14, 0.43, 0.43))
+    assert result_name(tuned) == "rate_limit.interactive_users.tuned_split"
+    assert result_name(replace(spec, split=(0.2, 0.4, 0.4))) == "rate_limit.tuned_split"
