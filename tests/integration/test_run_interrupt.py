@@ -34,6 +34,11 @@ trajectories:
     scenario: "finish_after:100000"
     grants: [noop]
     budget: {{turns: 200000, tokens: 1000000000, wall_seconds: 3600, dollars: 100000}}
+# the calls differ only in their step number: with the default windows the trivial-variation detector takes
+# noop away after a few turns, the scripted model then answers, and the run ended on its own at turn 5,
+# racing the signal (CI failed with exit 0 when the signal came after it)
+supervision:
+  watchdog: {{exact_window: 1000000, exact_limit: 1000000, coarse_window: 1000000, coarse_limit: 1000000}}
 """
 
 
