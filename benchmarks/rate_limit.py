@@ -46,7 +46,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -464,10 +464,34 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
-def result_name(spec: RunSpec) -> str:
-    """``rate_limit`` for the headline; a scenario or a split of one's own never writes over it."""
-    name = NAME if spec.scenario == "backlogged" else f"{NAME}.{spec.scenario}"
-    return f"{name}.tuned_split" if spec.split is not None else name
+def result_name(spec: RunSpec, policies: Sequence[str] = POLICIES) -> str:
+    """``rate_limit`` only for the headline: every policy, the default provider, headroom and admission path.
+    A run that changes any of them is named for what it changed, so it never writes over the headline
+    (``rate_limit[.<scenario>][.<provider mode>][.headroom<h>][.ray][.tuned_split][.<policies>]``)."""
+    parts = [NAME]
+    if spec.scenario != "backlogged":
+        parts.append(spec.scenario)
+    if spec.provider_mode != LimiterMode.SLIDING_WINDOW.value:
+        parts.append(spec.provider_mode)
+    if spec.headroom is not None:
+        parts.append(f"headroom{spec.headroom:g}")
+    if spec.use_ray:
+        parts.append("ray")
+    if spec.split is not None:
+        parts.append("tuned_split")
+    if tuple(policies) != POLICIES:
+        parts.append("+".join(policies))
+    return ".".join(parts)
+
+
+def policy_list(text: str) -> tuple[str, ...]:
+    """``--policies``: known names, comma-separated, each once."""
+    policies = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies or len(set(policies)) != len(policies):
+        why = f"unknown {', '.join(unknown)}" if unknown else "empty" if not policies else "a policy twice"
+        raise argparse.ArgumentTypeError(f"--policies {text!r}: {why}; known: {','.join(POLICIES)}")
+    return policies
 
 
 def split_shares(text: str) -> tuple[float, ...]:
@@ -495,7 +519,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--provider-mode", choices=[m.value for m in LimiterMode])
     parser.add_argument("--headroom", type=float, help="override the scheduler's default headroom")
     parser.add_argument("--ray", action="store_true", help="admit through the scheduler actor")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--policies", type=policy_list, default=POLICIES, help=f"subset of {','.join(POLICIES)}"
+    )
     parser.add_argument(
         "--scenario",
         choices=list(SCENARIOS),
@@ -512,7 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        help="result path (default: results/rate_limit[.<scenario>][.tuned_split][.quick].json)",
+        help="result path (default: results/rate_limit.json at default settings, else named for what the run "
+        "changed: see result_name; .quick.json for --quick)",
     )
     args = parser.parse_args(argv)
     spec = QUICK if args.quick else FULL
@@ -528,9 +555,10 @@ def main(argv: list[str] | None = None) -> None:
         if value is not None:
             overrides[field_name] = value
     spec = replace(spec, **overrides)
-    report = asyncio.run(run(spec, tuple(p for p in args.policies.split(",") if p)))
+    policies: tuple[str, ...] = args.policies
+    report = asyncio.run(run(spec, policies))
     last = report.pop("_last")
-    out: Path = args.out or result_path(result_name(spec), spec.quick)
+    out: Path = args.out or result_path(result_name(spec, policies), spec.quick)
     write_png(out.with_suffix(".png"), spec, last, report["policies"])
     write_json(out.stem, report, out.parent)
     print(out)

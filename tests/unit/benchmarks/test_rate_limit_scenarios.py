@@ -15,9 +15,11 @@ import pytest
 
 from benchmarks.rate_limit import (
     CLASSES,
+    POLICIES,
     SCENARIOS,
     RunSpec,
     class_of,
+    policy_list,
     result_name,
     split_shares,
     think_times,
@@ -106,3 +108,18 @@ def test_only_the_backlogged_run_at_the_classes_shares_writes_the_headline_file(
     tuned = replace(spec, scenario="interactive_users", split=(0.14, 0.43, 0.43))
     assert result_name(tuned) == "rate_limit.interactive_users.tuned_split"
     assert result_name(replace(spec, split=(0.2, 0.4, 0.4))) == "rate_limit.tuned_split"
+    # nor a run that changes the provider, the headroom, the admission path or the policies
+    assert result_name(replace(spec, provider_mode="token_bucket")) == "rate_limit.token_bucket"
+    assert result_name(replace(spec, headroom=0.05)) == "rate_limit.headroom0.05"
+    assert result_name(replace(spec, use_ray=True)) == "rate_limit.ray"
+    assert result_name(spec, ("tether", "static_split")) == "rate_limit.tether+static_split"
+    assert result_name(spec, POLICIES) == "rate_limit"
+    both = replace(spec, scenario="interactive_users", provider_mode="token_bucket")
+    assert result_name(both, ("tether",)) == "rate_limit.interactive_users.token_bucket.tether"
+
+
+def test_policies_are_known_names_each_once() -> None:
+    assert policy_list("static_split,tether") == ("static_split", "tether")
+    for text, wrong in (("tether,foo", "unknown foo"), ("", "empty"), ("tether,tether", "a policy twice")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(wrong)):
+            policy_list(text)
