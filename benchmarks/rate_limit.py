@@ -71,6 +71,10 @@ from testbed.provider import LimiterMode, ProviderConfig, start_provider_subproc
 
 NAME = "rate_limit"
 POLICIES = ("tether", "sdk_default", "backoff", "static_split")
+# Run only when named (--policies): Tether with the top class's reserve (SchedulerConfig.top_class_reserve,
+# off by default), this fraction of the limit unless --top-class-reserve says otherwise
+OPTIONAL_POLICIES = ("tether_reserve",)
+TOP_CLASS_RESERVE = 0.005
 MODEL = "tether-sim"
 
 CLASSES = (
@@ -112,6 +116,7 @@ class RunSpec:
     quick: bool = False
     scenario: str = "backlogged"  # a key of SCENARIOS
     split: tuple[float, ...] | None = None  # the static split's shares; None: the classes' shares
+    top_class_reserve: float | None = None  # Tether's SchedulerConfig.top_class_reserve; None: its default
 
     @property
     def classes(self) -> tuple[ClassSpec, ...]:
@@ -216,8 +221,11 @@ async def run_policy(policy: str, spec: RunSpec, provider: Any, run_no: int) -> 
 
         return slot
 
-    if policy == "tether":
+    if policy in ("tether", "tether_reserve"):
         config = SchedulerConfig(providers={key: limits_for(spec)})
+        if policy == "tether_reserve":
+            reserve = TOP_CLASS_RESERVE if spec.top_class_reserve is None else spec.top_class_reserve
+            config = config.model_copy(update={"top_class_reserve": reserve})
         if spec.use_ray:
             from scheduler.actor import SchedulerHandle
 
@@ -450,9 +458,13 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
     )
     settings["headroom_used"] = limits_for(spec).headroom
     settings["trajectory_code"] = (
-        "runtime.decide through actors.interpreter.Interpreter (tether, static_split); "
+        "runtime.decide through actors.interpreter.Interpreter (tether, tether_reserve, static_split); "
         "openai SDK loop (others)"
     )
+    if "tether_reserve" in policies:
+        settings["tether_reserve"] = (
+            TOP_CLASS_RESERVE if spec.top_class_reserve is None else spec.top_class_reserve
+        )
     return {
         "runs": spec.runs,
         "provider_mode": spec.provider_mode,
@@ -465,9 +477,10 @@ async def run(spec: RunSpec, policies: tuple[str, ...]) -> dict[str, Any]:
 
 
 def result_name(spec: RunSpec, policies: Sequence[str] = POLICIES) -> str:
-    """``rate_limit`` only for the headline: every policy, the default provider, headroom and admission path.
-    A run that changes any of them is named for what it changed, so it never writes over the headline
-    (``rate_limit[.<scenario>][.<provider mode>][.headroom<h>][.ray][.tuned_split][.<policies>]``)."""
+    """``rate_limit`` only for the headline: every policy, the default provider, headroom, admission path
+    and scheduler. A run that changes any of them is named for what it changed, so it never writes over the
+    headline: ``rate_limit[.<scenario>][.<provider mode>][.headroom<h>][.ray][.reserve<r>][.tuned_split]
+    [.<policies>]``."""
     parts = [NAME]
     if spec.scenario != "backlogged":
         parts.append(spec.scenario)
@@ -477,6 +490,8 @@ def result_name(spec: RunSpec, policies: Sequence[str] = POLICIES) -> str:
         parts.append(f"headroom{spec.headroom:g}")
     if spec.use_ray:
         parts.append("ray")
+    if spec.top_class_reserve is not None:
+        parts.append(f"reserve{spec.top_class_reserve:g}")
     if spec.split is not None:
         parts.append("tuned_split")
     if tuple(policies) != POLICIES:
@@ -487,10 +502,11 @@ def result_name(spec: RunSpec, policies: Sequence[str] = POLICIES) -> str:
 def policy_list(text: str) -> tuple[str, ...]:
     """``--policies``: known names, comma-separated, each once."""
     policies = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in POLICIES + OPTIONAL_POLICIES]
     if unknown or not policies or len(set(policies)) != len(policies):
         why = f"unknown {', '.join(unknown)}" if unknown else "empty" if not policies else "a policy twice"
-        raise argparse.ArgumentTypeError(f"--policies {text!r}: {why}; known: {','.join(POLICIES)}")
+        known = ",".join(POLICIES + OPTIONAL_POLICIES)
+        raise argparse.ArgumentTypeError(f"--policies {text!r}: {why}; known: {known}")
     return policies
 
 
@@ -520,7 +536,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--headroom", type=float, help="override the scheduler's default headroom")
     parser.add_argument("--ray", action="store_true", help="admit through the scheduler actor")
     parser.add_argument(
-        "--policies", type=policy_list, default=POLICIES, help=f"subset of {','.join(POLICIES)}"
+        "--top-class-reserve",
+        type=float,
+        help="the tether_reserve policy's SchedulerConfig.top_class_reserve: the fraction of the limit kept "
+        f"for the interactive class (default {TOP_CLASS_RESERVE})",
+    )
+    parser.add_argument(
+        "--policies",
+        type=policy_list,
+        default=POLICIES,
+        help=f"any of {','.join(POLICIES + OPTIONAL_POLICIES)} (default: {','.join(POLICIES)})",
     )
     parser.add_argument(
         "--scenario",
@@ -551,6 +576,7 @@ def main(argv: list[str] | None = None) -> None:
         ("provider_mode", args.provider_mode),
         ("headroom", args.headroom),
         ("split", args.split),
+        ("top_class_reserve", args.top_class_reserve),
     ):
         if value is not None:
             overrides[field_name] = value

@@ -451,6 +451,7 @@ class Services:
                 # run_command's permits: at most this many sandboxed commands run at once, cluster-wide
                 pools={SANDBOX_POOL: SandboxPoolConfig(size=self.options.sandboxes)},
                 reserved_class=max(classes, key=lambda c: classes[c]),  # nothing reserved (reserved=0)
+                top_class_reserve=p.top_class_reserve,
             ),
             metrics=MetricsAdapter(RayBackend),
         )

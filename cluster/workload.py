@@ -107,6 +107,8 @@ class ProviderSpec(_Strict):
     api_key_env: str = "OPENAI_API_KEY"
     limits: Limits = Limits(tpm=60_000, rpm=600)
     headroom: Annotated[float, Field(ge=0, lt=1)] = 0.02  # scheduler.config.ProviderLimits
+    # room kept for the highest-weight class's arriving turns (scheduler.config.SchedulerConfig); 0: off
+    top_class_reserve: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
     latency: Latency = Latency()
     prices: Prices = Prices()
 

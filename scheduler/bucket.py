@@ -214,8 +214,13 @@ class ProviderLimiter:
         """False when ``cost`` exceeds the token bucket's capacity: waiting would never help."""
         return cost <= self.tokens.capacity + _EPS
 
-    def can_admit(self, cost: int, now: float) -> bool:
+    def can_admit(self, cost: int, now: float, reserve: float = 0.0) -> bool:
+        """Whether a turn of ``cost`` tokens fits now. ``reserve``: leave that fraction of every bucket,
+        window and sub-window free besides it (the top class's reserve, ``SchedulerConfig``); a turn too
+        large to fit beside the reserve needs only its own room."""
         self.advance(now)
+        if reserve > 0.0 and cost <= self.tokens.capacity * (1.0 - reserve):
+            return self._fits_leaving(cost, reserve, now)  # else: too large to fit beside the reserve
         return (
             now >= self.blocked_until
             and self.tokens.covers(cost, now)
@@ -226,6 +231,21 @@ class ProviderLimiter:
             and (self.sub_request_window is None or self.sub_request_window.covers(1, now))
             and (self.pace is None or self.pace.covers(1, now))
         )
+
+    def _fits_leaving(self, cost: int, reserve: float, now: float) -> bool:
+        if now < self.blocked_until or (self.pace is not None and not self.pace.covers(1, now)):
+            return False
+        limits: list[tuple[TokenBucket | WindowLedger, float]] = [
+            (self.tokens, cost),
+            (self.token_window, cost),
+            (self.requests, 1.0),
+            (self.request_window, 1.0),
+        ]
+        if self.sub_token_window is not None:
+            limits.append((self.sub_token_window, cost))
+        if self.sub_request_window is not None:
+            limits.append((self.sub_request_window, 1.0))
+        return all(limit.covers(amount + reserve * limit.capacity, now) for limit, amount in limits)
 
     def admit(self, cost: int, now: float) -> int:
         """Reserve ``cost`` tokens and one request; the caller has checked ``can_admit``.
@@ -245,22 +265,23 @@ class ProviderLimiter:
             self.sub_token_window.add(cost, now, entry_id=ledger_id)  # one id: settle corrects both
         return ledger_id
 
-    def can_lease(self, tokens: int, requests: int, now: float, slack: float) -> bool:
+    def can_lease(self, tokens: int, requests: int, now: float, slack: float, reserve: float = 0.0) -> bool:
         """Whether a chunk of ``tokens`` and ``requests`` fits while leaving room for turns admitted
         one by one: it takes at most ``1 - slack`` of what is left in each bucket, window and sub-window
-        (so chunks shrink as the key fills up). Never while the key is paused or slowed by a 429: then
-        every turn goes through DRR one by one."""
+        (so chunks shrink as the key fills up), after ``reserve`` of each is set aside as ``can_admit``
+        does. Never while the key is paused or slowed by a 429: then every turn goes through DRR one by
+        one."""
         self.advance(now)
         share = 1.0 - slack
         rooms = [
-            (self.tokens.level(now), tokens),
-            (self.requests.level(now), requests),
-            (self.token_window.capacity - self.token_window.used(now), tokens),
-            (self.request_window.capacity - self.request_window.used(now), requests),
+            (self.tokens.level(now) - reserve * self.tokens.capacity, tokens),
+            (self.requests.level(now) - reserve * self.requests.capacity, requests),
+            (self.token_window.capacity * (1.0 - reserve) - self.token_window.used(now), tokens),
+            (self.request_window.capacity * (1.0 - reserve) - self.request_window.used(now), requests),
         ]
         for window, amount in ((self.sub_token_window, tokens), (self.sub_request_window, requests)):
             if window is not None:
-                rooms.append((window.capacity - window.used(now), amount))
+                rooms.append((window.capacity * (1.0 - reserve) - window.used(now), amount))
         return (
             now >= self.blocked_until
             and self.rate_factor >= 1.0
@@ -304,17 +325,24 @@ class ProviderLimiter:
         if self.sub_request_window is not None:
             self.sub_request_window.correct(sub_request_id, used[1])
 
-    def ready_at(self, cost: int, now: float) -> float:
-        """Earliest monotonic time ``cost`` could be admitted (at the current rate)."""
+    def ready_at(self, cost: int, now: float, reserve: float = 0.0) -> float:
+        """Earliest monotonic time ``cost`` could be admitted (at the current rate), leaving ``reserve`` as
+        ``can_admit`` does."""
         self.advance(now)
+        if cost > self.tokens.capacity * (1.0 - reserve):
+            reserve = 0.0  # too large to fit beside the reserve: its own room is enough
+
+        def at(limit: TokenBucket | WindowLedger | None, amount: float) -> float:
+            return -math.inf if limit is None else limit.ready_at(amount + reserve * limit.capacity, now)
+
         return max(
             self.blocked_until,
-            self.tokens.ready_at(cost, now),
-            self.requests.ready_at(1, now),
-            self.token_window.ready_at(cost, now),
-            self.request_window.ready_at(1, now),
-            -math.inf if self.sub_token_window is None else self.sub_token_window.ready_at(cost, now),
-            -math.inf if self.sub_request_window is None else self.sub_request_window.ready_at(1, now),
+            at(self.tokens, cost),
+            at(self.requests, 1),
+            at(self.token_window, cost),
+            at(self.request_window, 1),
+            at(self.sub_token_window, cost),
+            at(self.sub_request_window, 1),
             -math.inf if self.pace is None else self.pace.ready_at(1, now),
         )
 

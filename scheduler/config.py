@@ -164,6 +164,15 @@ class SchedulerConfig(_Frozen):
     quantum_tokens: PositiveInt = 256
     pools: dict[str, SandboxPoolConfig] = Field(default_factory=dict)
     reserved_class: str = "interactive"  # the class the sandbox reserve is kept for
+    # The top class's reserve (the highest weight; off by default). While that class waits on a key or
+    # asked for a turn there within the key's window, every other class's turn is admitted only if it
+    # leaves this fraction of each of the key's buckets, windows and sub-windows free; a top-class turn
+    # that fits may go before a head of the round that waits for room (paid from the top class's credit of
+    # the round: the weights hold); and the top class, returning from an empty queue, is visited next
+    # instead of at the back of the round. So lower classes keeping a key full do not make an arriving
+    # interactive turn wait for room or for a round. It costs up to this fraction of the limit while the
+    # top class leaves its reserve unused (measured: docs/perf/scheduling.md). 0: off.
+    top_class_reserve: float = Field(default=0.0, ge=0.0, lt=0.5)
     turn_lease_s: PositiveFloat = 600.0  # an unsettled grant older than this is reclaimed
     sandbox_lease_s: PositiveFloat = 1800.0  # an unreleased permit older than this is reclaimed
     feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)

@@ -174,6 +174,7 @@ class _Lane:
     limiter: ProviderLimiter
     drr: DeficitRoundRobin[int]
     reported_margin: float = 0.0  # the delay margin last given to the metrics
+    top_asked_at: float = -math.inf  # when the top class last asked for a turn here (its reserve's clock)
 
 
 class SchedulerCore:
@@ -207,8 +208,20 @@ class SchedulerCore:
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries skipped
         # Decided outside tick (refused at submission); handed out by the next tick.
         self._ready: list[Decision] = []
+        self._top = self._class_order()[0]  # the highest weight: its reserve and early turns (_admit_lane)
         for provider_key in config.providers:
             self._lane(provider_key)  # configured keys start refilling (from empty) when the scheduler starts
+
+    def _reserve(self, lane: _Lane, priority_class: str, now: float) -> float:
+        """The fraction a turn of ``priority_class`` must leave free on ``lane`` (``top_class_reserve``):
+        while the top class waits there or asked within the key's window."""
+        if (
+            not self.config.top_class_reserve
+            or priority_class == self._top
+            or (now - lane.top_asked_at >= lane.limiter.limits.window_s and not lane.drr.waiting(self._top))
+        ):
+            return 0.0
+        return self.config.top_class_reserve
 
     def _class_order(self) -> list[str]:
         return sorted(self.config.class_weights, key=lambda c: -self.config.class_weights[c])
@@ -253,6 +266,8 @@ class SchedulerCore:
             return self._refuse_now(pending, Predicate.DEADLINE, "deadline already passed at submission")
         self._enqueue(pending)
         lane.drr.push(request.priority_class, pending.ticket, request.estimated_tokens)
+        if request.priority_class == self._top:
+            lane.top_asked_at = pending.submitted_at
         return pending.ticket
 
     def submit_sandbox(self, trajectory_id: str, pool: str, priority_class: str, deadline: float) -> int:
@@ -295,7 +310,11 @@ class SchedulerCore:
             # Buckets start empty: after a restart we cannot know what was spent, so no burst.
             lane = _Lane(
                 ProviderLimiter(limits, self.config.feedback, self.clock.now()),
-                DeficitRoundRobin(self.config.class_weights, self.config.quantum_tokens),
+                DeficitRoundRobin(
+                    self.config.class_weights,
+                    self.config.quantum_tokens,
+                    first=(self._top,) if self.config.top_class_reserve else (),
+                ),
             )
             self._lanes[provider_key] = lane
         return lane
@@ -371,9 +390,16 @@ class SchedulerCore:
                     )
                 )
                 continue
-            if not lane.limiter.can_admit(cost, now):
-                break  # head-of-line: the next turn DRR chose waits for the bucket; nobody jumps it
-            lane.drr.pop()
+            name = head[0]
+            if not lane.limiter.can_admit(cost, now, self._reserve(lane, name, now)):
+                # head-of-line: the next turn DRR chose waits for the bucket; only the top class may go
+                # first, from its reserve and its credit of the round (top_class_reserve)
+                early = self._early_top_turn(lane, now) if self._passes(name) else None
+                if early is None:
+                    break
+                _, ticket, cost = early
+            else:
+                lane.drr.pop()
             ledger_id = lane.limiter.admit(cost, now)
             pending = self._pending.pop(ticket)
             lease = self._new_lease(RequestKind.TURN, pending, self.config.turn_lease_s, now, reserved=cost)
@@ -386,6 +412,20 @@ class SchedulerCore:
         if any(isinstance(d, Admitted) for d in admitted):
             self._report_levels(key, lane, now)
         return admitted
+
+    def _passes(self, head_class: str) -> bool:
+        """Whether the top class may go before a waiting head of ``head_class`` (``top_class_reserve``)."""
+        return bool(self.config.top_class_reserve) and head_class != self._top
+
+    def _early_top_turn(self, lane: _Lane, now: float) -> tuple[str, int, int] | None:
+        """The top class's next turn, taken out of the round's order, if it fits now and the class can pay
+        for it this round; else None."""
+        waiting = lane.drr.early(self._top)
+        if waiting is None or not lane.limiter.fits_ever(waiting[1]):
+            return None  # (one that can never fit is refused when DRR reaches it)
+        if not lane.limiter.can_admit(waiting[1], now):
+            return None
+        return lane.drr.pop_early(self._top)
 
     def _grant_permit(self, pending: _Pending, pool: str, class_name: str, now: float) -> PermitGranted:
         lease = self._new_lease(RequestKind.SANDBOX, pending, self.config.sandbox_lease_s, now)
@@ -446,8 +486,18 @@ class SchedulerCore:
         times: list[float] = []
         for lane in self._lanes.values():
             head = lane.drr.peek()
-            if head is not None:
-                times.append(lane.limiter.ready_at(head[2], now))
+            if head is None:
+                continue
+            name, _, cost = head
+            reserve = self._reserve(lane, name, now)
+            at = lane.limiter.ready_at(cost, now, reserve)
+            if reserve and not lane.drr.waiting(self._top):  # or when the reserve lapses, if that is sooner
+                lapses = lane.top_asked_at + lane.limiter.limits.window_s
+                at = min(at, max(lapses, lane.limiter.ready_at(cost, now)))
+            early = lane.drr.early(self._top) if self._passes(name) else None
+            if early is not None and lane.limiter.fits_ever(early[1]):
+                at = min(at, lane.limiter.ready_at(early[1], now))
+            times.append(at)
         while self._deadlines and self._deadlines[0][1] not in self._pending:
             heapq.heappop(self._deadlines)
         if self._deadlines:
@@ -496,8 +546,9 @@ class SchedulerCore:
         if self._to_monotonic(request.deadline) <= now:
             return None
         n = min(requests, leasing.max_requests)
+        reserve = self._reserve(lane, request.priority_class, now)
         while n >= 2 and not lane.limiter.can_lease(
-            chunk_tokens(request.estimated_tokens, n), n, now, leasing.slack
+            chunk_tokens(request.estimated_tokens, n), n, now, leasing.slack, reserve
         ):
             n //= 2
         if n < 2:
@@ -532,7 +583,8 @@ class SchedulerCore:
             or self._to_monotonic(request.deadline) <= now
         ):
             return True
-        return not len(lane.drr) and lane.limiter.can_admit(request.estimated_tokens, now)
+        reserve = self._reserve(lane, request.priority_class, now)
+        return not len(lane.drr) and lane.limiter.can_admit(request.estimated_tokens, now, reserve)
 
     def end_lease(self, lease_id: str, used_tokens: int, used_requests: int) -> SettleResult:
         """A chunk comes back with what it used: refund (or debit) its tokens and unused requests."""

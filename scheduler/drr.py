@@ -4,6 +4,13 @@ Each round, a class with waiting work earns ``D_i += w_i * Q_base``; it may disp
 when ``D_i >= cost`` (cost = the turn's estimated tokens) and pays ``D_i -= cost``. A class whose
 queue empties is reset to ``D_i = 0``: a class returning from a quiet spell brings no banked credit.
 
+A class returning from an empty queue joins the back of the round, so it waits for every other class's
+visit first (about ``sum(w) * Q_base`` tokens of admissions). The classes named ``first`` (the scheduler
+passes its highest-weight class) are visited next instead, right after the class being visited: an
+interactive user's turn then waits for at most one visit, not a round. This changes when such a class is
+served, not how much: it still earns only its quantum per visit and brings no banked credit, and a class
+that never empties is never re-inserted, so the weights hold while every class is backlogged.
+
 Pure and clock-free. ``peek`` names the next item DRR would dispatch (advancing rounds as needed,
 idempotent until ``pop``); the caller decides *when* it may go (the token bucket) and then pops it.
 A round in which nobody can pay is fast-forwarded arithmetically, so one decision costs
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -44,13 +51,17 @@ class _ClassQueue(Generic[K]):
 class DeficitRoundRobin(Generic[K]):
     """DRR over named classes with weights; items are identified by a hashable key."""
 
-    def __init__(self, weights: Mapping[str, float], quantum: float) -> None:
+    def __init__(self, weights: Mapping[str, float], quantum: float, first: Collection[str] = ()) -> None:
         if quantum <= 0 or not weights or any(w <= 0 for w in weights.values()):
             raise ValueError("DRR needs a positive quantum and at least one class, all weights positive")
         self.quantum = float(quantum)
         self._classes: dict[str, _ClassQueue[K]] = {
             name: _ClassQueue(float(w)) for name, w in weights.items()
         }
+        unknown = sorted(set(first) - set(weights))
+        if unknown:
+            raise ValueError(f"DRR: first names unknown classes {unknown}")
+        self._first = frozenset(first)
         self._ring: deque[str] = deque()  # classes with waiting work; the front is being visited
         self._where: dict[K, tuple[str, Queued[K]]] = {}
 
@@ -72,7 +83,10 @@ class DeficitRoundRobin(Generic[K]):
         queue.alive += 1
         self._where[key] = (class_name, item)
         if queue.alive == 1:
-            self._ring.append(class_name)
+            if class_name in self._first and self._ring:
+                self._ring.insert(1, class_name)  # next, after the class being visited
+            else:
+                self._ring.append(class_name)
 
     def remove(self, key: K) -> bool:
         """Withdraw a waiting item (deadline passed, requester gone). False if it was not queued."""
@@ -132,6 +146,39 @@ class DeficitRoundRobin(Generic[K]):
         if queue.alive == 0:
             self._deactivate(name)
         return peeked
+
+    def waiting(self, class_name: str) -> int:
+        """How many items ``class_name`` has queued."""
+        return self._classes[class_name].alive
+
+    def early(self, class_name: str) -> tuple[K, int] | None:
+        """The (key, cost) of ``class_name``'s head when the class could dispatch it now, out of the round's
+        order, with this round's credit (``pop_early``); None when it has nothing waiting or cannot pay."""
+        queue = self._classes[class_name]
+        if not queue.alive:
+            return None
+        head = self._head(class_name)
+        credit = queue.deficit + (0.0 if queue.credited else queue.weight * self.quantum)
+        return (head.key, head.cost) if head.cost <= credit else None
+
+    def pop_early(self, class_name: str) -> tuple[str, K, int]:
+        """Dispatch the head ``early`` named, out of the round's order, paid from the class's credit of the
+        round (its visit's quantum credited now if it was not yet): what it takes early it does not get
+        again at its visit, so the weights hold. The scheduler uses it for its top class while the head
+        of the round waits for the bucket."""
+        if self.early(class_name) is None:
+            raise LookupError(f"{class_name} has nothing it can dispatch early")
+        queue = self._classes[class_name]
+        if not queue.credited:
+            queue.deficit += queue.weight * self.quantum
+            queue.credited = True
+        head = queue.items.popleft()
+        queue.alive -= 1
+        queue.deficit -= head.cost
+        del self._where[head.key]
+        if queue.alive == 0:
+            self._deactivate(class_name)
+        return class_name, head.key, head.cost
 
     def _fast_forward(self) -> None:
         """A full round passed and no head was affordable: grant every class the rounds it would

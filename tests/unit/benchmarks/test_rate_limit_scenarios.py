@@ -112,6 +112,7 @@ def test_only_the_backlogged_run_at_the_classes_shares_writes_the_headline_file(
     assert result_name(replace(spec, provider_mode="token_bucket")) == "rate_limit.token_bucket"
     assert result_name(replace(spec, headroom=0.05)) == "rate_limit.headroom0.05"
     assert result_name(replace(spec, use_ray=True)) == "rate_limit.ray"
+    assert result_name(replace(spec, top_class_reserve=0.005)) == "rate_limit.reserve0.005"
     assert result_name(spec, ("tether", "static_split")) == "rate_limit.tether+static_split"
     assert result_name(spec, POLICIES) == "rate_limit"
     both = replace(spec, scenario="interactive_users", provider_mode="token_bucket")

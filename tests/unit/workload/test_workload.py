@@ -45,6 +45,10 @@ def test_valid_workload_expands_templates() -> None:
         ("trajectories:\n  - id: a\n    budget: {turns: -1}\n", "line 3, trajectories[0].budget.turns"),
         ("trajectories:\n  - id: a\n    bogus: 1\n", "line 3, trajectories[0].bogus: Extra inputs"),
         ("provider: {kind: openai_compatible}\ntrajectories: [{id: a}]\n", "needs base_url"),
+        (
+            "provider: {top_class_reserve: 0.5}\ntrajectories: [{id: a}]\n",
+            "provider.top_class_reserve: Input should be less than 0.5",
+        ),
         ("- just a list\n", "expected a mapping at the top level"),
         ("trajectories: [\n", "not valid YAML"),
         ("trajectories:\n  - id: 'has space'\n", "id must be 1-96 characters"),
