@@ -128,6 +128,9 @@ bench: setup
 	@set -e; for b in $(BENCHES); do echo "== benchmarks.$$b"; $(BIN)/python -m benchmarks.$$b; done
 	@echo "== benchmarks.rate_limit --scenario interactive_users"
 	$(BIN)/python -m benchmarks.rate_limit --scenario interactive_users
+	@echo "== benchmarks.rate_limit --scenario interactive_users, with the top class's reserve"
+	$(BIN)/python -m benchmarks.rate_limit --scenario interactive_users --policies tether,tether_reserve,static_split \
+		--out benchmarks/results/rate_limit.interactive_users.reserve.json
 	@if [ -f benchmarks/chaos.py ]; then echo "== benchmarks.chaos"; $(BIN)/python -m benchmarks.chaos; fi
 	$(BIN)/python -m benchmarks.readme_table
 

@@ -74,8 +74,10 @@ def rate_limit(d: Mapping[str, Any]) -> str:
             counts = p.get("completed_per_min_by_class") or {}
             order = [c["name"] for c in settings.get("classes", []) if c.get("name") in counts]
             by_class = " (" + ", ".join(f"{c} {_s(counts[c], 1)}" for c in order or sorted(counts)) + ")"
+        reserve = settings.get("tether_reserve") if name == "tether_reserve" else None
+        label = f"**{name}**" + (f" (top class's reserve {reserve:g})" if reserve is not None else "")
         parts.append(
-            f"**{name}** goodput {_s(p['goodput_ratio'], 3)}, 429s {_s(p['rate_limited'])}, "
+            f"{label} goodput {_s(p['goodput_ratio'], 3)}, 429s {_s(p['rate_limited'])}, "
             f"completed/min {_s(p['completed_per_min'], 1)}{by_class}, "
             f"interactive wait p99 {waits.get('p99')} ms"
         )
@@ -258,6 +260,7 @@ def chaos(d: Mapping[str, Any]) -> str:
 ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("rate_limit", rate_limit),
     ("rate_limit.interactive_users", rate_limit),
+    ("rate_limit.interactive_users.reserve", rate_limit),
     ("retry_storm", retry_storm),
     ("shared_limits", shared_limits),
     ("node_capacity", node_capacity),

@@ -171,7 +171,7 @@ class SchedulerConfig(_Frozen):
     # the round: the weights hold); and the top class, returning from an empty queue, is visited next
     # instead of at the back of the round. So lower classes keeping a key full do not make an arriving
     # interactive turn wait for room or for a round. It costs up to this fraction of the limit while the
-    # top class leaves its reserve unused (measured: docs/perf/scheduling.md). 0: off.
+    # top class leaves its reserve unused (docs/providers.md, "Room for interactive turns"). 0: off.
     top_class_reserve: float = Field(default=0.0, ge=0.0, lt=0.5)
     turn_lease_s: PositiveFloat = 600.0  # an unsettled grant older than this is reclaimed
     sandbox_lease_s: PositiveFloat = 1800.0  # an unreleased permit older than this is reclaimed
