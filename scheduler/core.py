@@ -214,12 +214,15 @@ class SchedulerCore:
 
     def _reserve(self, lane: _Lane, priority_class: str, now: float) -> float:
         """The fraction a turn of ``priority_class`` must leave free on ``lane`` (``top_class_reserve``):
-        while the top class waits there or asked within the key's window."""
-        if (
-            not self.config.top_class_reserve
-            or priority_class == self._top
-            or (now - lane.top_asked_at >= lane.limiter.limits.window_s and not lane.drr.waiting(self._top))
-        ):
+        while the top class has a turn waiting that its credit of the round would let go early, or nothing
+        waiting but asked within the key's window (room for the next arrival). A waiting top-class turn the
+        round's credit cannot pay for goes at the class's visit instead, so room kept for it would stand
+        unused: none is kept."""
+        if not self.config.top_class_reserve or priority_class == self._top:
+            return 0.0
+        if lane.drr.waiting(self._top):
+            return self.config.top_class_reserve if lane.drr.early(self._top) is not None else 0.0
+        if now - lane.top_asked_at >= lane.limiter.limits.window_s:
             return 0.0
         return self.config.top_class_reserve
 
