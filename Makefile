@@ -128,6 +128,8 @@ bench: setup
 	@set -e; for b in $(BENCHES); do echo "== benchmarks.$$b"; $(BIN)/python -m benchmarks.$$b; done
 	@echo "== benchmarks.rate_limit --scenario interactive_users"
 	$(BIN)/python -m benchmarks.rate_limit --scenario interactive_users
+	@echo "== benchmarks.rate_limit, with the top class's reserve"
+	$(BIN)/python -m benchmarks.rate_limit --policies tether,tether_reserve --out benchmarks/results/rate_limit.reserve.json
 	@echo "== benchmarks.rate_limit --scenario interactive_users, with the top class's reserve"
 	$(BIN)/python -m benchmarks.rate_limit --scenario interactive_users --policies tether,tether_reserve,static_split \
 		--out benchmarks/results/rate_limit.interactive_users.reserve.json

@@ -260,6 +260,7 @@ def chaos(d: Mapping[str, Any]) -> str:
 ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("rate_limit", rate_limit),
     ("rate_limit.interactive_users", rate_limit),
+    ("rate_limit.reserve", rate_limit),
     ("rate_limit.interactive_users.reserve", rate_limit),
     ("retry_storm", retry_storm),
     ("shared_limits", shared_limits),
