@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Callable
 
 import pytest
 
@@ -150,3 +151,35 @@ def test_with_every_class_backlogged_the_reserve_keeps_no_room_the_top_class_can
     # credit of the round. (Kept whenever the top class waited, as at 0c8c61e, it cost 3.4 %: 574,700
     # tokens against 595,100, and this failed.)
     assert with_reserve >= 0.995 * without, (with_reserve, without)
+
+
+def test_the_reserve_lapses_when_the_top_class_has_been_quiet_for_a_window() -> None:
+    # Given standard and batch turns keeping the key full, and one interactive turn, all at the start
+    def granted_by(reserve: float) -> Callable[[float], int]:
+        clock = FakeClock()
+        core = SchedulerCore(config(reserve), clock, id_prefix=f"l{reserve}")
+        tickets: dict[int, str] = {}
+        for _ in range(400):
+            for cls, size in (("standard", 1_500), ("batch", 4_000)):
+                tickets[core.submit_turn(turn(clock, cls, size))] = cls
+        tickets[core.submit_turn(turn(clock, "interactive", 200))] = "interactive"
+        # When the interactive class stays quiet for three windows
+        admitted = run(core, clock, clock.now() + 3 * LIMITS.window_s, tickets)
+        lower = [
+            (d.waited_s, d.grant.reserved_tokens) for d in admitted if tickets[d.ticket] != "interactive"
+        ]
+        return lambda t: sum(tokens for at, tokens in lower if at <= t)  # granted by t s from the start
+
+    held, control = granted_by(0.05), granted_by(0.0)
+
+    def behind(start: float, end: float) -> float:
+        """How far the lower classes were behind the control, on average over [start, end) s."""
+        times = [start + 0.1 * i for i in range(int((end - start) * 10))]
+        return statistics.mean(control(t) - held(t) for t in times)
+
+    window = LIMITS.window_s
+    # Then within the window of its request the lower classes left the reserve free (5 % of the limit:
+    # 3,000 tokens, 3 s of refill), and once that window passed they had the whole limit again and caught
+    # up: by the end they were granted what they were without the reserve (held on, ~3,000 tokens fewer)
+    assert behind(10.0, window) >= 2_500
+    assert held(3 * window) >= control(3 * window) - 1_000, (held(3 * window), control(3 * window))
