@@ -911,11 +911,10 @@ class Driver:
 
     async def _sample(self, client: aioredis.Redis, started: float, on_progress: Progress | None) -> None:
         while True:
-            try:
+            with contextlib.suppress(Exception):  # progress is a view: a failed sample is skipped
                 await self._sample_once(client, started, on_progress)
-            except Exception:  # progress is a view: a failed sample is skipped, unless it was our cancel
-                if aio.cancel_requested():
-                    raise asyncio.CancelledError from None
+            if aio.cancel_requested():  # asked to stop while sampling: the read may have lost the cancel
+                raise asyncio.CancelledError
             await asyncio.sleep(self.poll_s)
 
     async def _sample_once(

@@ -8,6 +8,7 @@ that to the driver); the status snapshots live in a real Redis, as the driver re
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from actors import aio
 from actors.status import status_key
 from cluster.runner import Driver, RunStopped, plan_launches
 from cluster.workload import parse_workload
@@ -156,3 +158,39 @@ def test_a_cancelled_run_leaves_no_trajectory_followed(
     # Then nothing it started is still running (left to the loop's shutdown, the follows' cancellation was
     # reported as "_GatheringFuture exception was never retrieved", with a traceback per trajectory)
     assert asyncio.run(cancel_the_run()) == []
+
+
+def test_the_status_sampler_stops_at_one_cancel_although_redis_returned_a_reply_in_its_place(
+    redis_url: str,
+) -> None:
+    # Given the driver's status sampler reading the real Redis without a pause between samples, so every
+    # cancel lands inside a Redis command (redis-py sends each through Python 3.11's wait_for, which returns
+    # the reply when the cancel lands just as it arrived: the command then "succeeds" with the cancel pending)
+    import redis.asyncio as aioredis
+
+    driver = _driver(redis_url, created_at=time.time())
+    driver.poll_s = 0.0
+
+    async def cancel_at_random_moments(trials: int) -> list[int]:
+        client = aioredis.Redis.from_url(redis_url, socket_timeout=10.0)
+        rng = random.Random(7)
+        still_sampling: list[int] = []
+        try:
+            for trial in range(trials):
+                sampler = asyncio.ensure_future(driver._sample(client, time.monotonic(), None))
+                for _ in range(rng.randint(1, 200)):
+                    await asyncio.sleep(0)
+                # When it is cancelled once (not asked again, as actors.aio.stop would)
+                sampler.cancel()
+                done, _ = await asyncio.wait({sampler}, timeout=2.0)
+                if not done:
+                    still_sampling.append(trial)
+                    await aio.stop(sampler, what="the sampler (after the trial)")
+        finally:
+            await client.aclose()
+        return still_sampling
+
+    # Then it stops every time (before the fix, a cancel its read returned a reply for was lost about one
+    # time in three, and the sampler went on sampling: CI's "did not stop within 5s" of stop 46)
+    assert asyncio.run(cancel_at_random_moments(80)) == []
+    assert len(driver.timeline) > 80  # it did sample: the cancels landed in its reads
