@@ -13,6 +13,7 @@ Reads come from what the trajectory actors publish: the status snapshot hash ``t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import redis.asyncio as aioredis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
+from actors import aio
 from actors.relay import AUDIT_STREAM, AuditEntry
 from cluster.control import ControlAction, ControlMessage, ControlStream, LiveEvent
 from cluster.embedded import redis_errors
@@ -458,7 +460,10 @@ class ControlClient:
         # pin "$" to a concrete id once, so events published between two reads are never missed
         cursor = await self._last_event_id() if after == "$" else after
         while True:
-            for entry_id, event in await self.stream.read_events(cursor, block_ms=block_ms):
+            events = await self.stream.read_events(cursor, block_ms=block_ms)
+            if aio.cancel_requested():  # the read may have returned in place of the cancel (actors.aio)
+                raise asyncio.CancelledError
+            for entry_id, event in events:
                 cursor = entry_id
                 yield entry_id, event
 

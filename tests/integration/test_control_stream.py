@@ -5,6 +5,8 @@ from the operator client, and the trimmed live-events stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from actors import aio
 from cluster.control import (
     ControlAction,
     ControlMessage,
@@ -374,3 +377,34 @@ async def test_undecodable_events_are_skipped_by_a_view(stream: ControlStream, r
     good = LiveEvent(trajectory_id="t", kind="state", at=3.0)
     await stream.publish_event(good)
     assert [e for _, e in await stream.read_events(after="0")] == [good]
+
+
+async def test_a_live_view_with_a_time_limit_ends_although_a_read_returned_in_place_of_the_timeout(
+    stream: ControlStream, redis_url: str
+) -> None:
+    # Given a full events stream, so every read of a view returns at once and a timeout lands inside a Redis
+    # read (redis-py sends each command through Python 3.11's wait_for, which returns the reply when the
+    # cancel lands just as it arrived: the timeout's cancel is then lost and, unnoticed, never fires again)
+    await stream.publish_events(
+        [LiveEvent(trajectory_id=f"t-{i % 7}", kind="state", at=float(i)) for i in range(5_000)]
+    )
+    rng = random.Random(11)
+    still_watching: list[int] = []
+    async with ControlClient.from_url(redis_url) as client:
+
+        async def view(limit_s: float) -> None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(limit_s):  # as `tether watch --for N` bounds it
+                    while True:  # from the start again whenever it has read everything
+                        async for _ in client.watch(after="0", block_ms=50):
+                            pass
+
+        # When views with a time limit run 60 times, their limits falling at random moments
+        for trial in range(60):
+            task = asyncio.ensure_future(view(rng.uniform(0.002, 0.03)))
+            done, _ = await asyncio.wait({task}, timeout=3.0)
+            if not done:
+                still_watching.append(trial)
+                await aio.stop(task, what="the view (after the trial)")
+    # Then every view ended at its limit (before the fix, a few of 60 read on past it, with no end in sight)
+    assert still_watching == []
