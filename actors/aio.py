@@ -19,8 +19,10 @@ Two defences, used together:
 * loops that go round on Redis calls ask ``cancel_requested()`` after every step, failed or not, and stop if
   a cancellation is pending (``Task.cancelling()`` counts requests a library swallowed, until somebody
   un-cancels);
-* whoever stops a task asks again while it has not ended, and waits a bounded time (``stop``): a cancel
-  that arrives while the task waits on anything else is delivered.
+* whoever stops a task waits a bounded time (``stop``); a loop's owner also asks again while it has not
+  ended (``again_s``), and a cancel that arrives while the loop waits on anything else is delivered. Not
+  for a task whose way out takes time of its own (a sandbox's graceful teardown under ``shield``): asked
+  again, it would leave before its clean-up ended.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ import asyncio
 import logging
 from typing import Any
 
-__all__ = ["cancel_requested", "stop"]
+__all__ = ["ASK_AGAIN_S", "cancel_requested", "stop"]
 
 _log = logging.getLogger("tether.aio")
+
+ASK_AGAIN_S = 1.0
+"""How long the owner of a loop waits after a cancel before asking again (``stop(again_s=...)``)."""
 
 
 def cancel_requested() -> bool:
@@ -41,10 +46,10 @@ def cancel_requested() -> bool:
 
 
 async def stop(
-    task: asyncio.Future[Any], *, what: str, within_s: float = 5.0, again_s: float | None = 1.0
+    task: asyncio.Future[Any], *, what: str, within_s: float = 5.0, again_s: float | None = None
 ) -> bool:
-    """Cancel ``task`` and wait for it at most ``within_s``; True if it ended. A task still running
-    ``again_s`` after a cancel is cancelled again (the first may have been lost below it; None: ask once).
+    """Cancel ``task`` and wait for it at most ``within_s``; True if it ended. With ``again_s``, a task
+    still running that long after a cancel is cancelled again (the first may have been lost below it).
     Its outcome is consumed (a background task's failure at shutdown is not the caller's). One that did not
     end is logged and left to the event loop's own shutdown."""
     loop = asyncio.get_running_loop()

@@ -259,7 +259,9 @@ class Relay:
     async def shutdown(self) -> None:
         """Cancel the lanes and give the leases back, so another relay takes over at once."""
         lanes = [lane.task for lane in self._lanes.values() if lane.task is not None]
-        await asyncio.gather(*(aio.stop(task, what=f"{self.name}: a delivery lane") for task in lanes))
+        await asyncio.gather(
+            *(aio.stop(task, what=f"{self.name}: a delivery lane", again_s=aio.ASK_AGAIN_S) for task in lanes)
+        )
         self._drop_all()
         held = sorted(self._held)
         self._held.clear()

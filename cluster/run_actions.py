@@ -124,6 +124,6 @@ async def alongside(main: Awaitable[T], actions: OperatorActions) -> T:
         return await main
     finally:
         if not side.done():
-            await aio.stop(side, what="the operator steps")
+            await aio.stop(side, what="the operator steps", again_s=aio.ASK_AGAIN_S)
         if side.done() and not side.cancelled() and side.exception() is not None:
             _log.error("operator steps failed: %s", side.exception())

@@ -755,17 +755,17 @@ class Driver:
             waiting: set[asyncio.Future[Any]] = {follows, stopper}
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not follows.done():
-                await aio.stop(follows, what="following the trajectories")
+                await aio.stop(follows, what="following the trajectories", again_s=aio.ASK_AGAIN_S)
                 raise RunStopped("the run was stopped before every trajectory ended")
             results = follows.result()
         finally:
             # bounded: a cancellation a library lost must not keep the run from returning (actors.aio).
             # ``follows`` too when the driver itself is cancelled (Ctrl-C): left to asyncio's shutdown, its
             # cancellation was logged as "_GatheringFuture exception was never retrieved" with tracebacks.
-            await aio.stop(sampler, what="the status sampler")
-            await aio.stop(stopper, what="the stop watcher")
+            await aio.stop(sampler, what="the status sampler", again_s=aio.ASK_AGAIN_S)
+            await aio.stop(stopper, what="the stop watcher", again_s=aio.ASK_AGAIN_S)
             if not follows.done():
-                await aio.stop(follows, what="following the trajectories")
+                await aio.stop(follows, what="following the trajectories", again_s=aio.ASK_AGAIN_S)
         with contextlib.suppress(Exception):  # the last picture is a view: Redis away must not fail the run
             await self._sample_once(client, started, on_progress)
         with contextlib.suppress(Exception):  # a view: a report without it says nothing rather than fail

@@ -187,7 +187,9 @@ class TimerService:
 
     async def shutdown(self) -> None:
         tasks = [lane.task for lane in self._lanes.values() if lane.task is not None]
-        await asyncio.gather(*(aio.stop(task, what="a timer lane") for task in tasks))
+        await asyncio.gather(
+            *(aio.stop(task, what="a timer lane", again_s=aio.ASK_AGAIN_S) for task in tasks)
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
