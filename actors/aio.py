@@ -16,9 +16,12 @@ ways, both seen here:
 
 Two defences, used together:
 
-* loops that go round on Redis calls ask ``cancel_requested()`` after every step, failed or not, and stop if
-  a cancellation is pending (``Task.cancelling()`` counts requests a library swallowed, until somebody
-  un-cancels);
+* loops that only a cancel ends and that go round on Redis calls (the driver's status sampler, a live view)
+  ask ``cancel_requested()`` after every step, failed or not, and stop if a cancellation is pending
+  (``Task.cancelling()`` counts requests a library swallowed, until somebody un-cancels). Loops that end on
+  a stop flag (the relay, the timer service, the status writer) need not. Not checked inside the Redis
+  helpers themselves: code that caught a cancel and is cleaning up still has ``cancelling() > 0``, and its
+  clean-up writes would fail;
 * whoever stops a task waits a bounded time (``stop``); a loop's owner also asks again while it has not
   ended (``again_s``), and a cancel that arrives while the loop waits on anything else is delivered. Not
   for a task whose way out takes time of its own (a sandbox's graceful teardown under ``shield``): asked
