@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -25,6 +26,15 @@ from cluster.runner import prepare_local_ray, start_local_ray
 prepare_local_ray()
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from test clusters
 
+# Ray's temp dir is this run's own (and each pytest-xdist worker's: `make test` runs two, each with a shared
+# local Ray of its own). A plain `ray.init()` joins the cluster last started with `ray start` on the host when
+# Ray's temp dir names one (`ray_current_cluster`), so with one temp dir for all a worker could join another's
+# cluster, or a test run someone's `/tmp/ray`. Every Ray process and `tether run` the tests start inherits it.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))[:8]
+RAY_TMPDIR = f"/tmp/tether-{_RUN}-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+os.environ["RAY_TMPDIR"] = RAY_TMPDIR
+os.makedirs(RAY_TMPDIR, exist_ok=True)
+
 
 # Property tests are judged by their examples, not by wall-clock time: no per-example deadline, no "too slow"
 # health check, so a slower or busier machine cannot fail them.
@@ -39,6 +49,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     After this process has started and shut down a local Ray, actors created on a cluster it joins later
     were cancelled before running ("all references removed") in our runs; a fresh process, or these
     tests first, never showed it. The defect is in the issue notes; meanwhile the order keeps it out.
+
+    Under pytest-xdist (``--dist loadfile``) the modules are handed to the workers in this order, so each
+    worker runs its share in it too.
     """
 
     def tier(item: pytest.Item) -> int:
@@ -167,6 +180,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     SHARED_RAY.stop()
+    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its fixture timings go back to the controller
+        workeroutput["tether_fixture_timings"] = dict(TIMINGS.fixtures)
+
+
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """On the xdist controller: a worker's fixture timings, for the summary."""
+    for what, samples in getattr(node, "workeroutput", {}).get("tether_fixture_timings", {}).items():
+        TIMINGS.fixtures[what].extend(samples)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
