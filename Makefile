@@ -77,6 +77,7 @@ TEST_BUDGET_S ?= 3600
 # LiteLLM proxy's real rpm windows). On a slower 2-core machine they pushed the suite past 35 minutes, and
 # the LiteLLM module, run beside the suite, failed its timing under that load. `make test-long` runs them
 # alone; `make test-stress` runs them with the rest of the integration and fault tiers under load.
+#
 # The suite runs in TEST_WORKERS pytest-xdist workers (whole modules to one worker, so module fixtures are set up
 # once; each worker has its own shared local Ray and Ray temp dir, see tests/conftest.py). Most of a Ray test's
 # time is waiting (on a rate limit, a timer, a process): on 2 cores two workers took 1,188 s (CPU 88 % busy)

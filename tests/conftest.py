@@ -197,7 +197,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section("where the time went")
     modules = sorted(TIMINGS.modules.items(), key=lambda kv: -kv[1])
     total = sum(TIMINGS.modules.values())
-    write(f"{total:8.1f}s in {len(modules)} modules; the slowest:")
+    workers = getattr(config.option, "numprocesses", None) or 0
+    across = f", summed over {workers} workers" if workers > 1 else ""
+    write(f"{total:8.1f}s in {len(modules)} modules{across}; the slowest:")
     for name, seconds in modules[:12]:
         write(f"{seconds:8.1f}s  {name}")
     for what, samples in sorted(TIMINGS.fixtures.items()):
