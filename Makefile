@@ -78,28 +78,31 @@ TEST_BUDGET_S ?= 3600
 # the LiteLLM module, run beside the suite, failed its timing under that load. `make test-long` runs them
 # alone; `make test-stress` runs them with the rest of the integration and fault tiers under load.
 #
-# The suite runs in TEST_WORKERS pytest-xdist workers (whole modules to one worker, so module fixtures are set up
-# once; each worker has its own shared local Ray and Ray temp dir, see tests/conftest.py). Most of a Ray test's
-# time is waiting (on a rate limit, a timer, a process): on 2 cores two workers took 1,188 s (CPU 88 % busy)
-# where one took 1,670 s (a Ray module alone keeps it ~59 % busy). TEST_WORKERS=0 runs it in one process.
+# The suite runs in TEST_WORKERS pytest-xdist workers (whole modules to one worker, so module fixtures are set
+# up once; each worker has its own shared local Ray and Ray temp dir, see tests/conftest.py;
+# --no-loadscope-reorder keeps the modules in the order tests/conftest.py gives them). Most of a Ray test's time
+# is waiting (on a rate limit, a timer, a process): on 2 cores two workers took 1,188 s (CPU 88 % busy) where
+# one took 1,670 s (a Ray module alone keeps it ~59 % busy). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
 test: setup
 	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
-		-n $(TEST_WORKERS) --dist loadfile --session-timeout=$(TEST_BUDGET_S) -m "not long"
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --session-timeout=$(TEST_BUDGET_S) -m "not long"
 
 test-long: setup
 	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
 		--session-timeout=$(TEST_BUDGET_S) -m long
 
-# The integration and fault tiers beside two busy loops (one per core of the 2-core machine the suite is sized
-# for): a shared CI machine. The loops are stopped by their pids whatever pytest does (trap on exit).
+# The integration and fault tiers, `long` tests included, beside two busy loops (one per core of the 2-core
+# machine the suite is sized for): a shared CI machine. They run in TEST_WORKERS workers, as `make test` does.
+# The loops are stopped by their pids whatever pytest does (trap on exit).
 test-stress: setup
 	@$(BIN)/python -c 'while True: pass' & b1=$$!; $(BIN)/python -c 'while True: pass' & b2=$$!; \
 	trap 'kill $$b1 $$b2 2>/dev/null; wait $$b1 $$b2 2>/dev/null; echo "busy loops $$b1 $$b2 stopped"' EXIT; \
 	echo "busy loops running: $$b1 $$b2"; \
 	TETHER_PARKED_FLEET=50 timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
-		--session-timeout=$(TEST_BUDGET_S) tests/integration tests/faults
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --session-timeout=$(TEST_BUDGET_S) \
+		tests/integration tests/faults
 
 # The chaos suite (benchmarks/chaos.py): CHAOS_SEEDS seeded fault schedules against CHAOS_TRAJECTORIES
 # trajectories each; results in benchmarks/results/chaos.json.

@@ -8,7 +8,7 @@ import os
 import shutil
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,14 +44,18 @@ settings.load_profile("tether")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the run: the unit tests (no Ray, no servers) first, then the tests that connect this process to
-    a Ray cluster of their own (``own_ray_cluster``), then everything that uses the shared local Ray.
+    a Ray cluster of their own (``own_ray_cluster``), then everything that uses the shared local Ray; within a
+    tier, the modules with the most tests first.
 
     After this process has started and shut down a local Ray, actors created on a cluster it joins later
     were cancelled before running ("all references removed") in our runs; a fresh process, or these
-    tests first, never showed it. The defect is in the issue notes; meanwhile the order keeps it out.
+    tests first, never showed it. The defect is in the issue notes; meanwhile the order keeps it out, and
+    ``_own_cluster_first`` fails a test that comes after the shared Ray all the same.
 
-    Under pytest-xdist (``--dist loadfile``) the modules are handed to the workers in this order, so each
-    worker runs its share in it too.
+    Under pytest-xdist (``--dist loadfile``) whole modules are handed to the workers in this order, as long
+    as xdist does not reorder them itself: by default it sorts all modules by their number of tests, which
+    mixes the tiers, so the Makefile passes ``--no-loadscope-reorder``. The most tests first within a tier is
+    xdist's own heuristic (big modules early, so the run does not end on one), kept inside each tier.
     """
 
     def tier(item: pytest.Item) -> int:
@@ -59,7 +63,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return 0
         return 1 if item.get_closest_marker("own_ray_cluster") else 2
 
-    items.sort(key=tier)  # stable: the collected order holds within a tier
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    tests_in = Counter(module(item) for item in items)
+    items.sort(key=lambda item: (tier(item), -tests_in[module(item)]))  # stable: modules stay whole
 
 
 @pytest.fixture
@@ -90,6 +98,7 @@ class SharedRay:
 
     def __init__(self) -> None:
         self.metrics_port: int | None = None  # Ray's metrics export port (scraped by the metrics tests)
+        self.started = False  # whether this process ever started it
 
     def ensure(self) -> int:
         import ray
@@ -100,6 +109,7 @@ class SharedRay:
             port = free_tcp_port()
             with TIMINGS.measure("ray.init (shared local Ray)"):
                 start_local_ray(num_cpus=2, trajectory_slots=1000, metrics_export_port=port)
+            self.started = True
             self.metrics_port = port
         assert self.metrics_port is not None, "a Ray not started by SharedRay is running"
         return self.metrics_port
@@ -145,6 +155,18 @@ def ray_metrics_port() -> Iterator[int]:
         yield port
     finally:
         SHARED_RAY.kill_named_actors()
+
+
+@pytest.fixture(autouse=True)
+def _own_cluster_first(request: pytest.FixtureRequest) -> None:
+    """An ``own_ray_cluster`` test must run before this process starts the shared Ray (see
+    ``pytest_collection_modifyitems``); after it, it fails saying why, instead of meeting the defect."""
+    if SHARED_RAY.started and request.node.get_closest_marker("own_ray_cluster"):
+        pytest.fail(
+            f"{request.node.nodeid} connects to a Ray cluster of its own, but this process already started "
+            "the shared local Ray: the run order is broken (tests/conftest.py, "
+            "pytest_collection_modifyitems; under pytest-xdist pass --no-loadscope-reorder)"
+        )
 
 
 @pytest.fixture
