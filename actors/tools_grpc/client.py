@@ -39,8 +39,12 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.enable_retries", 0),  # one retry owner: no transparent or configured retries underneath
     # Reconnect quickly after a dependency comes back; how often to *call* is the breaker's business.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Not "grpc.min_reconnect_backoff_ms": gRPC gives every connection attempt at least that long (its
+    # minimum connect timeout, 20 s by default). At 100 ms a server that took longer to send its first
+    # HTTP/2 frame (a busy host, a far one) failed the call as "not sent" and counted against the
+    # dependency's breaker; now the call's own deadline bounds the connect, and a refused connection still
+    # fails at once.
 )
 
 

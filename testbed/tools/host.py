@@ -300,6 +300,14 @@ class TestbedProcess:
             )
         return self
 
+    @property
+    def pid(self) -> int:
+        """The child's process id (a test stops and continues it to play a host that does not schedule
+        the server)."""
+        if self._proc is None:
+            raise RuntimeError("the testbed process is not started")
+        return self._proc.pid
+
     def stop(self, grace_s: float = 5.0) -> None:
         if self._proc is None or self._proc.poll() is not None:
             return

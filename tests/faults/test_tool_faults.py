@@ -15,6 +15,8 @@ repeat shows as a second effect; the one test that needs a service honouring eff
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -158,3 +160,43 @@ async def test_a_hung_call_is_settled_absent_before_the_retry_and_exactly_one_en
         assert book.duplicate_deliveries() == []
     else:
         assert [(d.attempt_id, d.prior) for d in book.duplicate_deliveries()] == [("attempt-2", "in_flight")]
+
+
+@pytest.mark.parametrize("connect", ["grpc-default", "control-100ms-connect-timeout"])
+async def test_a_tool_server_slow_to_take_its_connection_still_gets_the_call_once(
+    testbed: TestbedProcess, connect: str
+) -> None:
+    # Given a host too busy to schedule the tool server for half a second while the first call connects
+    # (the server process stopped, then continued: the kernel takes the connection, the server's first
+    # HTTP/2 frame waits). The control gives every connection attempt 100 ms (gRPC's
+    # min_reconnect_backoff_ms, which the tool client used to set).
+    # Its own subchannels, so the port cannot borrow a connection the judge's client made.
+    extra = [("grpc.use_local_subchannel_pool", 1)]
+    if connect.startswith("control"):
+        extra.append(("grpc.min_reconnect_backoff_ms", 100))
+    async with TestbedClient(testbed.address) as ledger:
+        await ledger.ledger()  # the judge's channel is connected before the server stalls
+        async with GrpcToolPort({}, default_address=testbed.address, channel_options=extra) as port:
+            os.kill(testbed.pid, signal.SIGSTOP)
+            resume = asyncio.get_running_loop().call_later(0.5, os.kill, testbed.pid, signal.SIGCONT)
+            try:
+                # When the call is made with 10 s to go
+                outcome = await port.invoke(provision("ek-env-slow", attempt=1, budget_s=10.0))
+            finally:
+                resume.cancel()
+                os.kill(testbed.pid, signal.SIGCONT)
+        book = await ledger.ledger()
+    deliveries = [d.attempt_id for d in book.deliveries_for("ek-env-slow")]
+    if connect == "grpc-default":
+        # Then the connection waits within the call's deadline, and the testbed saw one delivery
+        assert outcome.settlement is Settlement.ESTABLISHED, outcome.error
+        assert deliveries == ["attempt-1"]
+        assert [e.env_id for e in book.environments_for("ek-env-slow")] == [outcome.result["env_id"]]
+    else:
+        # Control: the connection attempt gives up after 100 ms and the call fails as never sent, an
+        # infrastructure failure for the breaker, though the server was only slow
+        assert (outcome.settlement, outcome.outcome_class) == (
+            Settlement.ESTABLISHED_ABSENT,
+            OutcomeClass.INFRASTRUCTURE_FAILURE,
+        ), outcome
+        assert deliveries == []
