@@ -84,10 +84,11 @@ TEST_BUDGET_S ?= 3600
 # is waiting (on a rate limit, a timer, a process): on 2 cores two workers took 1,188 s (CPU 88 % busy) where
 # one took 1,670 s (a Ray module alone keeps it ~59 % busy). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
+WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --session-timeout=$(TEST_BUDGET_S) -m "not long"
+		$(WORKERS) --session-timeout=$(TEST_BUDGET_S) -m "not long"
 
 test-long: setup
 	timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
@@ -101,8 +102,7 @@ test-stress: setup
 	trap 'kill $$b1 $$b2 2>/dev/null; wait $$b1 $$b2 2>/dev/null; echo "busy loops $$b1 $$b2 stopped"' EXIT; \
 	echo "busy loops running: $$b1 $$b2"; \
 	TETHER_PARKED_FLEET=50 timeout -s INT -k 120 $$(( $(TEST_BUDGET_S) + 900 )) $(BIN)/pytest -q --durations=10 \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --session-timeout=$(TEST_BUDGET_S) \
-		tests/integration tests/faults
+		$(WORKERS) --session-timeout=$(TEST_BUDGET_S) tests/integration tests/faults
 
 # The chaos suite (benchmarks/chaos.py): CHAOS_SEEDS seeded fault schedules against CHAOS_TRAJECTORIES
 # trajectories each; results in benchmarks/results/chaos.json.
