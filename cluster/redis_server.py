@@ -12,6 +12,7 @@ a running log of 75 entries 18.5 KB instead of 19.0 KB. Another Redis can be giv
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,12 @@ from runtime.errors import DependencyError
 __all__ = ["STREAM_NODE_MAX_BYTES", "RedisServer", "free_port", "redis_server_binary"]
 
 STREAM_NODE_MAX_BYTES = 2048
+PORT_ATTEMPTS = 5  # free ports tried when the one picked is taken before the server binds it
+ADDRESS_IN_USE = "Address already in use"  # redis-server's log line when it cannot bind its port
+
+
+class _PortTaken(DependencyError):
+    """redis-server could not bind the port picked for it."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,12 +69,26 @@ class RedisServer:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING.
+
+        With no port given, it takes a free one; if another process binds that port between the check and
+        the server's own bind (two test workers, or a client's ephemeral port), it tries another, up to
+        ``PORT_ATTEMPTS`` times. A port the caller chose is used as is."""
         if self.appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, not {self.appendfsync!r}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if not self.port:
-            self.port = free_port(self.host)
+        chosen = not self.port
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if chosen:
+                self.port = free_port(self.host)
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                if not chosen or attempt == PORT_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> RedisServer:
         # redis-server chdirs into --dir before it opens --logfile: a relative data dir (the default
         # ".tether/redis") would put the log path under itself, and the server would exit at start.
         data_dir = self.data_dir.resolve()
@@ -96,31 +117,48 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        log = data_dir / "redis.log"
+        logged = log.stat().st_size if log.exists() else 0  # a restart appends to the same log
         self._proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                log = self.data_dir / "redis.log"
-                tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
-                raise DependencyError(f"redis-server exited at start (code {self._proc.returncode}): {tail}")
-            if self._ping():
+                with log.open("rb") as f:
+                    f.seek(logged)
+                    said = f.read().decode(errors="replace")
+                error = _PortTaken if ADDRESS_IN_USE in said else DependencyError
+                raise error(f"redis-server exited at start (code {self._proc.returncode}): {said[-800:]}")
+            # the pid check: while ours has not yet failed to bind, a server someone else started on the
+            # same port would answer PING
+            if self._answering_pid() == self._proc.pid:
                 return self
             time.sleep(0.02)
         self.stop()
         raise DependencyError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
 
-    def _ping(self) -> bool:
+    def _answering_pid(self) -> int | None:
+        """The process id of the server answering PING on ``host:port`` (from ``INFO server``), or None
+        (nobody listening, or a server still loading its AOF: it answers PING with ``-LOADING``)."""
         try:
             with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                 if self.password:
                     s.sendall(f"AUTH {self.password}\r\n".encode())
                     s.recv(64)
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                s.sendall(b"PING\r\nINFO server\r\n")
+                reply = b""
+                while not re.search(rb"process_id:\d+\r\n", reply):
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        return None
+                    reply += chunk
+                    if reply.startswith(b"-"):  # -LOADING, -NOAUTH: not ready, or not ours
+                        return None
         except OSError:
-            return False
+            return None
+        match = re.search(rb"process_id:(\d+)\r\n", reply)
+        return int(match.group(1)) if reply.startswith(b"+PONG") and match else None
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
