@@ -36,9 +36,14 @@
    each process's CPU time (``/proc/<pid>/stat``, every thread) and wakeups (context switches of every
    thread, and of the main thread alone), and the whole machine's busy share. What a live trajectory costs
    the node while it does nothing, against what any Ray actor costs.
+6. **Largest live count, probed** (``--only max_live``; not in the full run, it takes the machine). Part 2
+   extrapolates; this starts trajectories ``PROBE_BATCH`` at a time, each turn one model call and then the
+   sleep tool for a minute, until the next batch would take ``MemAvailable`` below ``RESERVE_MB`` at what
+   each started process has cost so far (or ``--cap``), then checks that every one of them takes another
+   turn. The floor, after they are stopped: bare Ray actors ramped the same way to the same reserve.
 
     .venv/bin/python -m benchmarks.node_capacity [--quick] [--runs 3]
-        [--only scheduler|memory|hibernation|idle] [--live N] [--hibernated H] [--idle I]
+        [--only scheduler|memory|hibernation|idle|max_live] [--live N] [--hibernated H] [--idle I] [--cap N]
 
 Writes ``benchmarks/results/node_capacity.json`` (``--quick``: ``node_capacity.quick.json``) and a PNG;
 ``--only PART`` measures that part alone and writes ``node_capacity.PART.json`` (never the headline).
@@ -50,6 +55,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import json
 import os
 import signal
 import statistics
@@ -376,7 +382,9 @@ class Fleet:
         self.client = ControlClient.from_url(redis_url, keyring=keyring, ttl_s=600.0)
         self.runs: list[Any] = []
 
-    def launch(self, prefix: str, hibernate_after_s: float | None = None) -> str:
+    def launch(
+        self, prefix: str, hibernate_after_s: float | None = None, scenario: str = "finish_after:100000"
+    ) -> str:
         from actors.launch import CheckLaunch, ProviderLaunch
         from actors.trajectory import TrajectoryLaunch, ensure_actor, save_launch
 
@@ -389,7 +397,7 @@ class Fleet:
             local_tools=("sleep",),
             created_at=time.time(),
             deadline_s=86_400.0,
-            metadata={"scenario": "finish_after:100000"},
+            metadata={"scenario": scenario},
             provider=ProviderLaunch(base_url=self.provider_url, model="sim"),
             redis_url=self.redis_url,
             use_scheduler=False,
@@ -526,6 +534,192 @@ def stop_trajectories(tids: Sequence[str]) -> None:
     for tid in tids:
         with contextlib.suppress(ValueError):  # already gone
             ray.kill(ray.get_actor(f"traj:{tid}", namespace="tether"), no_restart=True)
+
+
+# ----------------------------------------------------------------------------- 6. largest live count, probed
+
+ENDED = ("COMPLETED", "FAILED", "CANCELED", "FINALIZING")
+PROBE_BATCH = 8  # started at once, as in part 2: many workers importing together starve 2 cores
+PROBE_SLEEP_S = 60.0  # each probe trajectory's tool call: a turn a minute, mostly waiting
+# every turn calls the sleep tool; 40 turns outlast any probe
+PROBE_SCENARIO = "script:" + json.dumps([["sleep", {"seconds": PROBE_SLEEP_S}]] * 40, separators=(",", ":"))
+
+
+def _ramp_stop(live: int, available: int, start_available: int, cap: int, first_mb: float) -> str | None:
+    """Why the ramp stops before the next batch, or None: the cap, or the reserve the next batch would cross
+    at the memory each started process has cost so far."""
+    if live >= cap:
+        return "cap"
+    per = (start_available - available) / live if live else first_mb
+    if available - PROBE_BATCH * max(per, 1.0) < RESERVE_MB:
+        return "reserve"
+    return None
+
+
+async def probe_live_trajectories(fleet: Fleet, cap: int) -> dict[str, Any]:
+    """Start probe trajectories ``PROBE_BATCH`` at a time until the next batch would take ``MemAvailable``
+    below ``RESERVE_MB`` (or ``cap``); then check that every one of them still turns."""
+    start_available = mem_available_mb()
+    started = time.monotonic()
+    tids: list[str] = []
+    trace: list[dict[str, float]] = []
+    reason: str | None = None
+    while reason is None:
+        reason = _ramp_stop(len(tids), mem_available_mb(), start_available, cap, 100.0)
+        if reason is not None:
+            break
+        batch = [fleet.launch("probe", scenario=PROBE_SCENARIO) for _ in range(PROBE_BATCH)]
+        tids += batch
+        try:  # WAITING_TOOL: its first model call answered, now in its first sleep
+            await fleet.wait(batch, lambda st: st.state == "WAITING_TOOL", "WAITING_TOOL", timeout_s=300.0)
+        except TimeoutError as e:
+            reason = f"a batch did not start: {e}"
+        trace.append(
+            {
+                "live": len(tids),
+                "available_mb": mem_available_mb(),
+                "elapsed_s": round(time.monotonic() - started, 1),
+                "load1": round(os.getloadavg()[0], 2),
+            }
+        )
+        if len(tids) % 40 == 0:
+            progress(f"{len(tids)} live, MemAvailable {trace[-1]['available_mb']} MB")
+    ramp_s = time.monotonic() - started
+    held_available = mem_available_mb()
+    turns = {tid: (await fleet.client.status(tid)) for tid in tids}
+    before = {tid: (st.turns if st is not None else -1) for tid, st in turns.items()}
+    progress(f"{len(tids)} live ({reason}); checking that each one turns again")
+    deadline = time.monotonic() + PROBE_SLEEP_S * 3
+    advanced: set[str] = set()
+    while len(advanced) < len(tids) and time.monotonic() < deadline:
+        for tid in tids:
+            if tid not in advanced:
+                st = await fleet.client.status(tid)
+                if st is not None and st.turns > before[tid] >= 0 and st.state not in ENDED:
+                    advanced.add(tid)
+        await asyncio.sleep(1.0)
+    sample = [memory_of(actor_pid(tid)) for tid in tids[:: max(1, len(tids) // 10)]]
+    stop_trajectories(tids)
+    return {
+        "live": len(tids),
+        "turned_again": len(advanced),
+        "stop": reason,
+        "ramp_s": round(ramp_s, 1),
+        "available_mb": {"start": start_available, "held": held_available},
+        "mb_per_trajectory": round((start_available - held_available) / max(1, len(tids)), 1),
+        "sampled_pss_mb": spread([m["pss"] for m in sample], 1),
+        "sampled_uss_mb": spread([m["uss"] for m in sample], 1),
+        "trace": trace,
+    }
+
+
+def probe_bare_actors(cap: int) -> dict[str, Any]:
+    """The floor: bare Ray actors started the same way, to the same reserve."""
+    start_available = mem_available_mb()
+    started = time.monotonic()
+    actors: list[Any] = []
+    reason: str | None = None
+    while reason is None:
+        reason = _ramp_stop(len(actors), mem_available_mb(), start_available, cap, 60.0)
+        if reason is not None:
+            break
+        batch = [Bare.remote() for _ in range(PROBE_BATCH)]  # type: ignore[attr-defined]
+        try:
+            ray.get([b.ping.remote() for b in batch], timeout=300.0)
+        except ray.exceptions.GetTimeoutError:
+            reason = "a batch did not start within 300 s"
+        actors += batch
+    held_available = mem_available_mb()
+    answered = sum(ray.get([b.ping.remote() for b in actors], timeout=300.0))
+    ramp_s = time.monotonic() - started
+    for b in actors:
+        ray.kill(b)
+    return {
+        "live": len(actors),
+        "answered": answered,
+        "stop": reason,
+        "ramp_s": round(ramp_s, 1),
+        "available_mb": {"start": start_available, "held": held_available},
+        "mb_per_actor": round((start_available - held_available) / max(1, len(actors)), 1),
+    }
+
+
+async def _settle_memory(target_mb: int, timeout_s: float = 120.0) -> int:
+    """Wait until the killed processes' memory is back (``MemAvailable`` within 300 MB of ``target_mb``)."""
+    deadline = time.monotonic() + timeout_s
+    while mem_available_mb() < target_mb - 300 and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+    return mem_available_mb()
+
+
+async def max_live_part(s: Settings, workdir: Path, cap: int) -> dict[str, Any]:
+    """Part 6: ``s.runs`` ramps of probe trajectories to the reserve, each followed by its floor (bare
+    actors)."""
+    from actors.relay import start_relays, stop_relays
+    from cluster.redis_server import RedisServer
+    from cluster.signing import Role, create_key
+    from testbed.provider.config import ProviderConfig
+    from testbed.provider.launch import start_provider_thread
+
+    server = RedisServer(data_dir=workdir / "redis").start()
+    provider = start_provider_thread(ProviderConfig(ttft_ms=20.0, tokens_per_s=2000.0))
+    keyring = workdir / "keyring.yaml"
+    create_key("operator", [Role.OPERATOR], keyring)
+    fleet = Fleet(server.url, provider.base_url, keyring)
+    relays = start_relays(server.url, 2, adapters=fleet.adapters, config={"block_ms": 100})
+    runs: list[dict[str, Any]] = []
+    try:
+        baseline = mem_available_mb()
+        for i in range(s.runs):
+            progress(f"run {i + 1}/{s.runs}: probe trajectories to the {RESERVE_MB} MB reserve (cap {cap})")
+            trajectories = await probe_live_trajectories(fleet, cap)
+            await _settle_memory(baseline)
+            progress(f"run {i + 1}/{s.runs}: {trajectories['live']} trajectories held; now bare actors")
+            bare = probe_bare_actors(cap)
+            await _settle_memory(baseline)
+            progress(f"run {i + 1}/{s.runs}: {bare['live']} bare actors held")
+            runs.append({"trajectories": trajectories, "bare": bare})
+    finally:
+        stop_relays(relays)
+        await fleet.close()
+        provider.stop()
+        server.stop()
+    return {
+        "live_trajectories": spread([float(r["trajectories"]["live"]) for r in runs], 0),
+        "turned_again": spread([float(r["trajectories"]["turned_again"]) for r in runs], 0),
+        "live_bare_actors": spread([float(r["bare"]["live"]) for r in runs], 0),
+        "mb_per_trajectory": spread([r["trajectories"]["mb_per_trajectory"] for r in runs], 1),
+        "mb_per_bare_actor": spread([r["bare"]["mb_per_actor"] for r in runs], 1),
+        "ramp_s": spread([r["trajectories"]["ramp_s"] for r in runs], 1),
+        "bare_ramp_s": spread([r["bare"]["ramp_s"] for r in runs], 1),
+        "reserve_mb": RESERVE_MB,
+        "cap": cap,
+        "batch": PROBE_BATCH,
+        "runs": runs,
+        "what": (
+            f"live_trajectories: trajectory actors started {PROBE_BATCH} at a time (each turn one model "
+            f"call, then the sleep tool for {PROBE_SLEEP_S:.0f} s) until the next batch would take "
+            "MemAvailable below reserve_mb at the memory each one had cost so far, or cap; turned_again: "
+            "how many of them took another turn afterwards (alive and working, "
+            "not only started); live_bare_actors: the floor, bare async Ray actors ramped the same way "
+            "after the trajectories were stopped; mb_per_*: the drop of MemAvailable per process started"
+        ),
+    }
+
+
+def run_max_live(s: Settings, cap: int) -> dict[str, Any]:
+    """Part 6 alone (``--only max_live``)."""
+    from cluster.runner import start_local_ray
+
+    before = calibration()
+    start_local_ray(num_cpus=2)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
+            part = asyncio.run(max_live_part(s, Path(tmp), cap))
+    finally:
+        ray.shutdown()
+    settings = {**s.__dict__, "cap": cap}
+    return {"runs": s.runs, "only": "max_live", "max_live": part, **provenance(settings, before)}
 
 
 # ----------------------------------------------------------------------------- 4. hibernation
@@ -961,13 +1155,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=None, help=f"repetitions (at least {MIN_RUNS})")
     parser.add_argument(
         "--only",
-        choices=["scheduler", "memory", "hibernation", "idle"],
+        choices=["scheduler", "memory", "hibernation", "idle", "max_live"],
         default=None,
         help="run one part alone; writes node_capacity.<part>.json beside (never over) the headline file",
     )
     parser.add_argument("--live", type=int, default=None, help="live trajectory actors probed for memory")
     parser.add_argument("--hibernated", type=int, default=None, help="trajectories hibernated and woken")
     parser.add_argument("--idle", type=int, default=None, help="idle trajectories (--only idle)")
+    parser.add_argument("--cap", type=int, default=600, help="most processes a ramp starts (--only max_live)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     if args.runs is not None:
@@ -998,6 +1193,15 @@ def main(argv: list[str] | None = None) -> None:
         print(out)
         idle = result["idle"]
         print({kind: idle[kind]["cpu_pct"]["per_process"] for kind in ("trajectory", "bare", "relay")})
+        return
+    if args.only == "max_live":
+        if args.cap < PROBE_BATCH:
+            parser.error(f"--cap must be >= {PROBE_BATCH}")
+        result = run_max_live(settings, args.cap)
+        out = out.with_name(f"{out.stem}.max_live.json")
+        write_json(out.stem, result, out.parent)
+        print(out)
+        print({k: result["max_live"][k] for k in ("live_trajectories", "turned_again", "live_bare_actors")})
         return
     if args.only == "hibernation":
         result = run_hibernation(settings)

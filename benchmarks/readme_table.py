@@ -157,6 +157,17 @@ def node_capacity(d: Mapping[str, Any]) -> str:
     )
 
 
+def node_capacity_max_live(d: Mapping[str, Any]) -> str:
+    m = d["max_live"]
+    return (
+        f"live trajectory actors held on this node, started {m['batch']} at a time until the next batch "
+        f"would leave under {m['reserve_mb']:,} MB available (cap {m['cap']:,}): "
+        f"{_s(m['live_trajectories'])}, of which {_s(m['turned_again'])} took another turn afterwards; "
+        f"{_s(m['mb_per_trajectory'], 1)} MB each; ramp {_s(m['ramp_s'], 0)} s; "
+        f"floor: bare Ray actors {_s(m['live_bare_actors'])} ({_s(m['mb_per_bare_actor'], 1)} MB each)"
+    )
+
+
 def log_append(d: Mapping[str, Any]) -> str:
     runs = d.get("runs") or {}
     a, e = d["always"], d["everysec"]
@@ -265,6 +276,7 @@ ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("retry_storm", retry_storm),
     ("shared_limits", shared_limits),
     ("node_capacity", node_capacity),
+    ("node_capacity.max_live", node_capacity_max_live),
     ("turn_overhead", turn_overhead),
     ("model_path", model_path),
     ("log_append", log_append),
@@ -282,7 +294,9 @@ def table(results_dir: Path = RESULTS_DIR) -> str:
     for name, render in ROWS:
         path = results_dir / f"{name}.json"
         if not path.exists():
-            lines.append(f"| `{name}` | not measured yet (`python -m benchmarks.{name}`) | |")
+            module, _, part = name.partition(".")
+            how = f"`python -m benchmarks.{module}`" + (f", variant {part}" if part else "")
+            lines.append(f"| `{name}` | not measured yet ({how}) | |")
             continue
         data = json.loads(path.read_text())
         try:
