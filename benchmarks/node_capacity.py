@@ -540,6 +540,7 @@ def stop_trajectories(tids: Sequence[str]) -> None:
 
 ENDED = ("COMPLETED", "FAILED", "CANCELED", "FINALIZING")
 PROBE_BATCH = 8  # started at once, as in part 2: many workers importing together starve 2 cores
+PROBE_BATCH_TIMEOUT_S = 120.0  # a batch of 8 starts in seconds; one that takes this long: the node is full
 PROBE_SLEEP_S = 60.0  # each probe trajectory's tool call: a turn a minute, mostly waiting
 # every turn calls the sleep tool; 40 turns outlast any probe
 PROBE_SCENARIO = "script:" + json.dumps([["sleep", {"seconds": PROBE_SLEEP_S}]] * 40, separators=(",", ":"))
@@ -571,7 +572,9 @@ async def probe_live_trajectories(fleet: Fleet, cap: int) -> dict[str, Any]:
         batch = [fleet.launch("probe", scenario=PROBE_SCENARIO) for _ in range(PROBE_BATCH)]
         tids += batch
         try:  # WAITING_TOOL: its first model call answered, now in its first sleep
-            await fleet.wait(batch, lambda st: st.state == "WAITING_TOOL", "WAITING_TOOL", timeout_s=300.0)
+            await fleet.wait(
+                batch, lambda st: st.state == "WAITING_TOOL", "WAITING_TOOL", timeout_s=PROBE_BATCH_TIMEOUT_S
+            )
         except TimeoutError as e:
             reason = f"a batch did not start: {e}"
         trace.append(
@@ -625,9 +628,9 @@ def probe_bare_actors(cap: int) -> dict[str, Any]:
             break
         batch = [Bare.remote() for _ in range(PROBE_BATCH)]  # type: ignore[attr-defined]
         try:
-            ray.get([b.ping.remote() for b in batch], timeout=300.0)
+            ray.get([b.ping.remote() for b in batch], timeout=PROBE_BATCH_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            reason = "a batch did not start within 300 s"
+            reason = f"a batch did not start within {PROBE_BATCH_TIMEOUT_S:.0f} s"
         actors += batch
     held_available = mem_available_mb()
     answered = sum(ray.get([b.ping.remote() for b in actors], timeout=300.0))
@@ -708,17 +711,21 @@ async def max_live_part(s: Settings, workdir: Path, cap: int) -> dict[str, Any]:
 
 
 def run_max_live(s: Settings, cap: int) -> dict[str, Any]:
-    """Part 6 alone (``--only max_live``)."""
+    """Part 6 alone (``--only max_live``). Ray gets ``cap`` trajectory slots, so the machine is probed, not
+    the slots a node declares by default (recorded beside it)."""
+    from actors.incarnation import default_trajectory_slots
     from cluster.runner import start_local_ray
 
     before = calibration()
-    start_local_ray(num_cpus=2)
+    default_slots = default_trajectory_slots()
+    start_local_ray(num_cpus=2, trajectory_slots=cap)
     try:
         with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
             part = asyncio.run(max_live_part(s, Path(tmp), cap))
     finally:
         ray.shutdown()
     settings = {**s.__dict__, "cap": cap}
+    part["default_trajectory_slots"] = default_slots
     return {"runs": s.runs, "only": "max_live", "max_live": part, **provenance(settings, before)}
 
 
