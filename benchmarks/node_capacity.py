@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -655,9 +655,11 @@ async def _settle_memory(target_mb: int, timeout_s: float = 120.0) -> int:
     return mem_available_mb()
 
 
-async def max_live_part(s: Settings, workdir: Path, cap: int) -> dict[str, Any]:
+async def max_live_part(
+    s: Settings, workdir: Path, cap: int, after_run: Callable[[list[dict[str, Any]]], None]
+) -> list[dict[str, Any]]:
     """Part 6: ``s.runs`` ramps of probe trajectories to the reserve, each followed by its floor (bare
-    actors)."""
+    actors); ``after_run`` gets the runs so far after each one (a long probe keeps what it measured)."""
     from actors.relay import start_relays, stop_relays
     from cluster.redis_server import RedisServer
     from cluster.signing import Role, create_key
@@ -677,16 +679,24 @@ async def max_live_part(s: Settings, workdir: Path, cap: int) -> dict[str, Any]:
             progress(f"run {i + 1}/{s.runs}: probe trajectories to the {RESERVE_MB} MB reserve (cap {cap})")
             trajectories = await probe_live_trajectories(fleet, cap)
             await _settle_memory(baseline)
-            progress(f"run {i + 1}/{s.runs}: {trajectories['live']} trajectories held; now bare actors")
+            progress(
+                f"run {i + 1}/{s.runs}: {trajectories['live']} trajectories held ({trajectories['stop']}), "
+                f"{trajectories['turned_again']} turned again; now bare actors"
+            )
             bare = probe_bare_actors(cap)
             await _settle_memory(baseline)
             progress(f"run {i + 1}/{s.runs}: {bare['live']} bare actors held")
             runs.append({"trajectories": trajectories, "bare": bare})
+            after_run(runs)
     finally:
         stop_relays(relays)
         await fleet.close()
         provider.stop()
         server.stop()
+    return runs
+
+
+def summarise_max_live(runs: list[dict[str, Any]], cap: int) -> dict[str, Any]:
     return {
         "live_trajectories": spread([float(r["trajectories"]["live"]) for r in runs], 0),
         "turned_again": spread([float(r["trajectories"]["turned_again"]) for r in runs], 0),
@@ -710,7 +720,7 @@ async def max_live_part(s: Settings, workdir: Path, cap: int) -> dict[str, Any]:
     }
 
 
-def run_max_live(s: Settings, cap: int) -> dict[str, Any]:
+def run_max_live(s: Settings, cap: int, out: Path) -> dict[str, Any]:
     """Part 6 alone (``--only max_live``). Ray gets ``cap`` trajectory slots, so the machine is probed, not
     the slots a node declares by default (recorded beside it)."""
     from actors.incarnation import default_trajectory_slots
@@ -718,15 +728,22 @@ def run_max_live(s: Settings, cap: int) -> dict[str, Any]:
 
     before = calibration()
     default_slots = default_trajectory_slots()
+    settings = {**s.__dict__, "cap": cap}
+
+    def result(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        part = {**summarise_max_live(runs, cap), "default_trajectory_slots": default_slots}
+        return {"runs": len(runs), "only": "max_live", "max_live": part, **provenance(settings, before)}
+
+    def keep(runs: list[dict[str, Any]]) -> None:
+        write_json(out.stem, result(runs), out.parent)
+
     start_local_ray(num_cpus=2, trajectory_slots=cap)
     try:
         with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
-            part = asyncio.run(max_live_part(s, Path(tmp), cap))
+            runs = asyncio.run(max_live_part(s, Path(tmp), cap, keep))
     finally:
         ray.shutdown()
-    settings = {**s.__dict__, "cap": cap}
-    part["default_trajectory_slots"] = default_slots
-    return {"runs": s.runs, "only": "max_live", "max_live": part, **provenance(settings, before)}
+    return result(runs)
 
 
 # ----------------------------------------------------------------------------- 4. hibernation
@@ -1204,8 +1221,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only == "max_live":
         if args.cap < PROBE_BATCH:
             parser.error(f"--cap must be >= {PROBE_BATCH}")
-        result = run_max_live(settings, args.cap)
         out = out.with_name(f"{out.stem}.max_live.json")
+        result = run_max_live(settings, args.cap, out)
         write_json(out.stem, result, out.parent)
         print(out)
         print({k: result["max_live"][k] for k in ("live_trajectories", "turned_again", "live_bare_actors")})
