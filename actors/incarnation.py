@@ -38,6 +38,7 @@ from runtime.states import TERMINAL_STATES
 
 __all__ = [
     "NAMESPACE",
+    "TRAJECTORIES_PER_CORE",
     "TRAJECTORY_ACTOR_BYTES",
     "TRAJECTORY_RESOURCE",
     "ActorBusy",
@@ -51,13 +52,22 @@ __all__ = [
     "WakeGate",
     "default_trajectory_slots",
     "memory_available_bytes",
+    "usable_cores",
 ]
 
 NAMESPACE = "tether"
 TRAJECTORY_RESOURCE = "tether_trajectory"
-# What one trajectory actor process costs (resident, measured: ~155 MB with its ports built); the unit
-# the default number of trajectory slots per node is derived from.
-TRAJECTORY_ACTOR_BYTES = 155 * 2**20
+# What one more live trajectory actor costs a node's memory, the unit its default number of trajectory slots
+# is derived from. Measured: MemAvailable fell by ~69 MB per running trajectory, 296 of them held on a 24 GB
+# node (``benchmarks/node_capacity.py --only max_live``; 111 MB RSS each, of which ~45 MB are pages shared
+# between processes). 100 MB leaves room for a long trajectory's record and context to grow. (It was 155 MB
+# while every trajectory process loaded the provider SDK.)
+TRAJECTORY_ACTOR_BYTES = 100 * 2**20
+# Live trajectory actors per CPU core. Every Ray worker process, a bare one as much as a trajectory, costs
+# ~0.9 % of a core while it does nothing (``node_capacity --only idle``), so on 2 cores ~230 of them take
+# all the CPU before memory runs out (the max_live probe: starting 8 more took 4 s on an empty node and
+# 78 s at 280). 64 a core keeps that idle cost near half the cores.
+TRAJECTORIES_PER_CORE = 64
 SLOTS_ENV = "TETHER_TRAJECTORY_SLOTS"
 _log = logging.getLogger(__name__)
 
@@ -323,11 +333,15 @@ def memory_available_bytes() -> int | None:
 
 
 def default_trajectory_slots(
-    available_bytes: int | None = None, *, env: dict[str, str] | None = None, reserve_fraction: float = 0.2
+    available_bytes: int | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    reserve_fraction: float = 0.2,
+    cores: int | None = None,
 ) -> int:
-    """How many trajectory actors a node has room for: ``$TETHER_TRAJECTORY_SLOTS`` when set, else its
-    available memory less a reserve (Ray's own processes, Redis, the driver) at ``TRAJECTORY_ACTOR_BYTES``
-    each; at least one."""
+    """How many trajectory actors a node has room for: ``$TETHER_TRAJECTORY_SLOTS`` when set, else the fewer
+    of its available memory less a reserve (Ray's own processes, Redis, the driver) at
+    ``TRAJECTORY_ACTOR_BYTES`` each and ``TRAJECTORIES_PER_CORE`` per core it may run on; at least one."""
     env = dict(os.environ) if env is None else env
     raw = env.get(SLOTS_ENV, "").strip()
     if raw:
@@ -338,8 +352,18 @@ def default_trajectory_slots(
         if value < 1:
             raise ValueError(f"{SLOTS_ENV} must be a positive integer, got {raw!r}")
         return value
+    cores = usable_cores() if cores is None else cores
+    by_cpu = max(1, cores) * TRAJECTORIES_PER_CORE
     available = memory_available_bytes() if available_bytes is None else available_bytes
     if available is None:
-        return 8  # no /proc: a small, safe default
+        return min(8, by_cpu)  # no /proc: a small, safe default
     usable = available * (1.0 - reserve_fraction)
-    return max(1, int(usable // TRAJECTORY_ACTOR_BYTES))
+    return max(1, min(by_cpu, int(usable // TRAJECTORY_ACTOR_BYTES)))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity), or the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

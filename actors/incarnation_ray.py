@@ -17,6 +17,7 @@ from typing import Any
 
 from actors.incarnation import (
     NAMESPACE,
+    TRAJECTORIES_PER_CORE,
     TRAJECTORY_ACTOR_BYTES,
     TRAJECTORY_RESOURCE,
     ActorBusy,
@@ -141,14 +142,18 @@ class RedisTrajectories:
 def ray_wake_gate() -> WakeGate:
     """The wake admission of a process on this Ray cluster: none of its own when some node declares
     ``tether_trajectory`` slots (Ray admits woken actors into free slots, and the autoscaler sees the ones
-    waiting), else a gate sized from the cluster's memory at ``TRAJECTORY_ACTOR_BYTES`` per trajectory."""
+    waiting), else a gate sized like a node's default slots: the cluster's memory at
+    ``TRAJECTORY_ACTOR_BYTES`` per trajectory and its CPUs at ``TRAJECTORIES_PER_CORE``, the fewer."""
     import ray
 
     resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
     if resources.get(TRAJECTORY_RESOURCE, 0) > 0:
         return WakeGate(None)
     memory = float(resources.get("memory", 0.0))
-    return WakeGate(max(1, int(memory // TRAJECTORY_ACTOR_BYTES)))
+    by_memory = int(memory // TRAJECTORY_ACTOR_BYTES)
+    cpus = float(resources.get("CPU", 0.0))
+    by_cpu = int(cpus * TRAJECTORIES_PER_CORE) if cpus > 0 else by_memory
+    return WakeGate(max(1, min(by_memory, by_cpu)))
 
 
 def ray_incarnations(redis_url: str, adapters: Any, **options: Any) -> tuple[Incarnations, RedisTrajectories]:

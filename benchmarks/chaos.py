@@ -26,8 +26,8 @@ replies. Nothing the runtime reports is taken on trust; after the run:
 
 Results: ``{commit, seeds, trajectories, faults_injected:{kind:n}, terminal, handed_off, lost,
 duplicate_effects, orphaned, over_budget, lost_acked_entries}`` plus one row per seed. A trajectory actor
-costs ~155 MB: ``--trajectories`` is sized down to what the machine's available memory holds (said in the
-results).
+costs up to 100 MB (``actors.incarnation.TRAJECTORY_ACTOR_BYTES``): ``--trajectories`` is sized down to what
+the machine's available memory holds (said in the results).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from typing import Any
 
 import redis
 
+from actors.incarnation import TRAJECTORY_ACTOR_BYTES
 from benchmarks._common import environment
 from cluster.fake_cluster import RayHead, session_pids
 from cluster.log_store import FIELD
@@ -68,7 +69,7 @@ from testbed.tools import FaultMode, FaultPlan, LedgerSnapshot, TestbedClient, T
 __all__ = ["ChaosConfig", "SeedResult", "judge_acked", "main", "plan_faults", "run_chaos", "run_seed"]
 
 MODEL = "sim-small"
-ACTOR_MB = 155  # what one trajectory actor's worker costs (measured: issue 13)
+ACTOR_MB = TRAJECTORY_ACTOR_BYTES // 2**20  # what one trajectory actor's worker may cost
 RESERVE_MB = 4096  # left to everything else on the machine
 PROVISIONER = "env-provisioner"
 TITLES = {  # process title prefix of each actor kind's worker

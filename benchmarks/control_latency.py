@@ -56,7 +56,8 @@ every trajectory is live but idle in WAITING_TOOL with a process group to tear d
   every parked trajectory's status is terminal. Meanwhile interrupts go to the live trajectory one at a
   time, and ``interrupt_ms`` is each one's control entry -> ``ControlRequested`` in its log (server clock):
   what the wake-up storm costs a running trajectory. The local Ray declares ``--slots`` trajectory slots
-  (a trajectory actor is ~155 MB; 300 at once do not fit), so the relays wake them as slots free.
+  (fewer than the fleet: a local Ray declares at most 64 a core by default), so the relays wake them as
+  slots free.
 
     .venv/bin/python -m benchmarks.control_latency [--only live] [--trajectories 100] [--rounds 5]
         [--kill-rounds 4] [--hibernated 10]   (--only live keeps the stored parked result)

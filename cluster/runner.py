@@ -638,9 +638,10 @@ def start_local_ray(
     """Start a small local Ray on loopback (namespace ``tether``) holding ``trajectory_slots`` trajectories:
     what ``tether run`` uses without ``--address``, and the tests and benchmarks with it.
 
-    ``trajectory_slots`` None: as many as the machine's available memory holds at ~155 MB per trajectory
-    actor (``actors.incarnation.default_trajectory_slots``; ``$TETHER_TRAJECTORY_SLOTS`` overrides), so a
-    run wakes only what fits and the rest wait for a slot instead of exhausting memory.
+    ``trajectory_slots`` None: as many as the machine's available memory holds at 100 MB per trajectory
+    actor and at most 64 per core (``actors.incarnation.default_trajectory_slots``;
+    ``$TETHER_TRAJECTORY_SLOTS`` overrides), so a run wakes only what fits and the rest wait for a slot
+    instead of exhausting memory or the CPU.
     """
     import ray
 

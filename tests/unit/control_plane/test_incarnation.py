@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from actors.incarnation import (
+    TRAJECTORIES_PER_CORE,
     TRAJECTORY_ACTOR_BYTES,
     Incarnations,
     Reach,
@@ -171,11 +172,22 @@ async def test_an_unplaced_actor_is_waited_for_not_called_again_and_again(clock:
 
 def test_trajectory_slots_come_from_memory_or_the_environment() -> None:
     gib = 2**30
-    assert default_trajectory_slots(24 * gib, env={}) == int(24 * gib * 0.8 // TRAJECTORY_ACTOR_BYTES)
-    assert default_trajectory_slots(100 * 2**20, env={}) == 1
+    by_memory = int(24 * gib * 0.8 // TRAJECTORY_ACTOR_BYTES)
+    assert default_trajectory_slots(24 * gib, env={}, cores=64) == by_memory
+    assert default_trajectory_slots(100 * 2**20, env={}, cores=64) == 1
     assert default_trajectory_slots(24 * gib, env={"TETHER_TRAJECTORY_SLOTS": "12"}) == 12
+    assert default_trajectory_slots(24 * gib, env={"TETHER_TRAJECTORY_SLOTS": "900"}, cores=2) == 900
     with pytest.raises(ValueError, match="TETHER_TRAJECTORY_SLOTS"):
         default_trajectory_slots(env={"TETHER_TRAJECTORY_SLOTS": "many"})
+
+
+def test_trajectory_slots_are_also_bounded_by_the_cores() -> None:
+    # a 2-core, 24 GB node: memory alone would give ~190 slots, but ~230 idle Ray workers take both cores
+    gib = 2**30
+    assert TRAJECTORY_ACTOR_BYTES == 100 * 2**20 and TRAJECTORIES_PER_CORE == 64
+    assert default_trajectory_slots(24 * gib, env={}, cores=2) == 2 * TRAJECTORIES_PER_CORE == 128
+    assert default_trajectory_slots(24 * gib, env={}, cores=16) == int(24 * gib * 0.8 // (100 * 2**20)) == 196
+    assert default_trajectory_slots(24 * gib, env={}, cores=0) == TRAJECTORIES_PER_CORE
 
 
 def test_backoff_doubles_to_its_cap_and_resets() -> None:
