@@ -125,9 +125,11 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                with log.open("rb") as f:
-                    f.seek(logged)
-                    said = f.read().decode(errors="replace")
+                said = ""
+                if log.exists():  # not when it exits before opening its log (a bad argument)
+                    with log.open("rb") as f:
+                        f.seek(logged)
+                        said = f.read().decode(errors="replace")
                 error = _PortTaken if ADDRESS_IN_USE in said else DependencyError
                 raise error(f"redis-server exited at start (code {self._proc.returncode}): {said[-800:]}")
             # the pid check: while ours has not yet failed to bind, a server someone else started on the
