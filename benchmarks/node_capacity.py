@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -538,7 +538,6 @@ def stop_trajectories(tids: Sequence[str]) -> None:
 
 # ----------------------------------------------------------------------------- 6. largest live count, probed
 
-ENDED = ("COMPLETED", "FAILED", "CANCELED", "FINALIZING")
 PROBE_BATCH = 8  # started at once, as in part 2: many workers importing together starve 2 cores
 PROBE_BATCH_TIMEOUT_S = 120.0  # a batch of 8 starts in seconds; one that takes this long: the node is full
 PROBE_SLEEP_S = 60.0  # each probe trajectory's tool call: a turn a minute, mostly waiting
@@ -560,11 +559,13 @@ def _ramp_stop(live: int, available: int, start_available: int, cap: int, first_
 async def probe_live_trajectories(fleet: Fleet, cap: int) -> dict[str, Any]:
     """Start probe trajectories ``PROBE_BATCH`` at a time until the next batch would take ``MemAvailable``
     below ``RESERVE_MB`` (or ``cap``); then check that every one of them still turns."""
+    from runtime.states import LIVE_STATES
+
     start_available = mem_available_mb()
     started = time.monotonic()
     tids: list[str] = []
     trace: list[dict[str, float]] = []
-    reason: str | None = None
+    reason: str | None = None  # set by the ramp's stop rule, or by a batch that did not start
     while reason is None:
         reason = _ramp_stop(len(tids), mem_available_mb(), start_available, cap, 100.0)
         if reason is not None:
@@ -598,7 +599,7 @@ async def probe_live_trajectories(fleet: Fleet, cap: int) -> dict[str, Any]:
         for tid in tids:
             if tid not in advanced:
                 st = await fleet.client.status(tid)
-                if st is not None and st.turns > before[tid] >= 0 and st.state not in ENDED:
+                if st is not None and st.turns > before[tid] >= 0 and st.state in LIVE_STATES:
                     advanced.add(tid)
         await asyncio.sleep(1.0)
     sample = [memory_of(actor_pid(tid)) for tid in tids[:: max(1, len(tids) // 10)]]
@@ -660,20 +661,8 @@ async def max_live_part(
 ) -> list[dict[str, Any]]:
     """Part 6: ``s.runs`` ramps of probe trajectories to the reserve, each followed by its floor (bare
     actors); ``after_run`` gets the runs so far after each one (a long probe keeps what it measured)."""
-    from actors.relay import start_relays, stop_relays
-    from cluster.redis_server import RedisServer
-    from cluster.signing import Role, create_key
-    from testbed.provider.config import ProviderConfig
-    from testbed.provider.launch import start_provider_thread
-
-    server = RedisServer(data_dir=workdir / "redis").start()
-    provider = start_provider_thread(ProviderConfig(ttft_ms=20.0, tokens_per_s=2000.0))
-    keyring = workdir / "keyring.yaml"
-    create_key("operator", [Role.OPERATOR], keyring)
-    fleet = Fleet(server.url, provider.base_url, keyring)
-    relays = start_relays(server.url, 2, adapters=fleet.adapters, config={"block_ms": 100})
     runs: list[dict[str, Any]] = []
-    try:
+    async with fleet_services(workdir) as fleet:
         baseline = mem_available_mb()
         for i in range(s.runs):
             progress(f"run {i + 1}/{s.runs}: probe trajectories to the {RESERVE_MB} MB reserve (cap {cap})")
@@ -688,11 +677,6 @@ async def max_live_part(
             progress(f"run {i + 1}/{s.runs}: {bare['live']} bare actors held")
             runs.append({"trajectories": trajectories, "bare": bare})
             after_run(runs)
-    finally:
-        stop_relays(relays)
-        await fleet.close()
-        provider.stop()
-        server.stop()
     return runs
 
 
@@ -881,7 +865,10 @@ async def hibernation(fleet: Fleet, h: int, rounds: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- run
 
 
-async def services_part(s: Settings, workdir: Path, only: str | None = None) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def fleet_services(workdir: Path) -> AsyncIterator[Fleet]:
+    """A ``Fleet`` with what it needs for as long as the block lasts: a Redis with its data under ``workdir``,
+    the testbed provider, an operator key and two control relays."""
     from actors.relay import start_relays, stop_relays
     from cluster.redis_server import RedisServer
     from cluster.signing import Role, create_key
@@ -895,6 +882,16 @@ async def services_part(s: Settings, workdir: Path, only: str | None = None) -> 
     fleet = Fleet(server.url, provider.base_url, keyring)
     relays = start_relays(server.url, 2, adapters=fleet.adapters, config={"block_ms": 100})
     try:
+        yield fleet
+    finally:
+        stop_relays(relays)
+        await fleet.close()
+        provider.stop()
+        server.stop()
+
+
+async def services_part(s: Settings, workdir: Path, only: str | None = None) -> dict[str, Any]:
+    async with fleet_services(workdir) as fleet:
         live: dict[str, Any] | None = None
         hop: dict[str, Any] | None = None
         hib: dict[str, Any] | None = None
@@ -904,15 +901,10 @@ async def services_part(s: Settings, workdir: Path, only: str | None = None) -> 
             stop_trajectories(live["tids"])
             await asyncio.sleep(3.0)
             progress("model-call hop")
-            hop = model_hop(provider.base_url, 50 if s.quick else 200)
+            hop = model_hop(fleet.provider_url, 50 if s.quick else 200)
         if only in (None, "hibernation"):
             progress(f"hibernating {s.hibernated} trajectories")
             hib = await hibernation(fleet, s.hibernated, s.runs)
-    finally:
-        stop_relays(relays)
-        await fleet.close()
-        provider.stop()
-        server.stop()
     return {"live": live, "hibernated": hib, "hop": hop}
 
 
@@ -1222,8 +1214,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.cap < PROBE_BATCH:
             parser.error(f"--cap must be >= {PROBE_BATCH}")
         out = out.with_name(f"{out.stem}.max_live.json")
-        result = run_max_live(settings, args.cap, out)
-        write_json(out.stem, result, out.parent)
+        result = run_max_live(settings, args.cap, out)  # written after every run, the last one included
         print(out)
         print({k: result["max_live"][k] for k in ("live_trajectories", "turned_again", "live_bare_actors")})
         return
