@@ -55,7 +55,7 @@ from actors.incarnation import TRAJECTORY_ACTOR_BYTES
 from benchmarks._common import environment
 from cluster.fake_cluster import RayHead, session_pids
 from cluster.log_store import FIELD
-from cluster.redis_server import RedisServer, free_port
+from cluster.redis_server import RedisServer
 from cluster.runner import prepare_local_ray
 from runtime.codec import decode
 from runtime.errors import DependencyError
@@ -309,7 +309,7 @@ def run_seed(seed: int, head: RayHead, config: ChaosConfig, trajectories: int, w
         ProviderConfig(ttft_ms=150.0, tokens_per_s=200.0, models=(MODEL,), rpm=50_000, tpm=5_000_000),
         log_path=seed_dir / "provider.log",
     )
-    testbed = TestbedProcess(free_port(), provision_s=0.3).start()
+    testbed = TestbedProcess(provision_s=0.3).start()
     rng = random.Random(seed * 7919 + 1)
     injector = Injector(head, server, testbed.address, rng)
     run_id = f"chaos-s{seed}"

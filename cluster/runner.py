@@ -336,7 +336,6 @@ class Services:
         self._stack.close()
 
     def _start(self) -> None:
-        from cluster.redis_server import free_port
         from testbed.provider import LimiterMode, ProviderConfig, start_provider_subprocess
         from testbed.tools import TestbedProcess
 
@@ -365,7 +364,7 @@ class Services:
                 name: [FaultPlan.model_validate(p) for p in (plan if isinstance(plan, list) else [plan])]
                 for name, plan in wl.testbed_faults.items()
             }
-            testbed = TestbedProcess(free_port(), faults=faults).start()
+            testbed = TestbedProcess(faults=faults).start()
             self._stack.callback(testbed.stop)
             self.testbed_address = testbed.address
         if self.options.address is None:

@@ -189,9 +189,14 @@ class ToolServer:
         _add_tool_servicer(_ToolServicer(self), server)
         for add in self._extra:
             add(server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:  # grpcio >= 1.5x raises instead of returning 0
+            bound, reason = 0, str(e).split(";")[0]
+        else:
+            reason = "bind failed"
         if bound == 0:
-            raise OSError(f"could not bind gRPC tool server to {host}:{port}")
+            raise OSError(f"could not bind gRPC tool server to {host}:{port} ({reason}; is the port taken?)")
         await server.start()
         self._server, self.port, self.host = server, int(bound), host
         log.info("tool server on %s:%d hosting %s", host, bound, sorted(self._tools))

@@ -1,7 +1,11 @@
 """Command line of the simulated provider.
 
 ``python -m testbed.provider --host 127.0.0.1 --port PORT --tpm N --rpm N [--ttft-ms X] [--tokens-per-s Y]
-[--limiter sliding_window|token_bucket] [--sub-window-s S] [--sub-window-tokens] [--no-count-rejected]``
+[--limiter sliding_window|token_bucket] [--sub-window-s S] [--sub-window-tokens] [--no-count-rejected]
+[--port-file PATH]``
+
+``--port 0`` lets the OS pick a free port; ``--port-file`` names a file the bound port is written to once the
+server listens (written whole, by rename), so a parent learns the port without racing another process for it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -24,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m testbed.provider", description="Simulated OpenAI-compatible provider."
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="TCP port (0 = any free port)")
+    p.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
     p.add_argument("--tpm", type=int, default=0, help="tokens per minute, 0 = unlimited")
     p.add_argument("--rpm", type=int, default=0, help="requests per minute, 0 = unlimited")
     p.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token in milliseconds")
@@ -61,13 +67,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _serve(server: ProviderServer) -> None:
+def _write_port_file(path: Path, port: int) -> None:
+    """``port`` into ``path`` whole: a reader sees no file or the full number, never a part of it."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{port}\n")
+    partial.replace(path)
+
+
+async def _serve(server: ProviderServer, port_file: Path | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await server.start()
+    if port_file is not None:
+        _write_port_file(port_file, server.port)
     print(f"simulated provider listening on {server.base_url}", flush=True)
     try:
         await stop.wait()
@@ -95,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         print(f"invalid provider options: {e}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(ProviderServer(config, host=args.host, port=args.port)))
+    try:
+        asyncio.run(_serve(ProviderServer(config, host=args.host, port=args.port), args.port_file))
+    except OSError as e:
+        print(f"simulated provider could not listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

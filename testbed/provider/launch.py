@@ -12,6 +12,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -19,7 +20,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from cluster.redis_server import free_port
 from runtime.errors import DependencyError
 from testbed.provider.config import ConfigPatch, ProviderConfig
 from testbed.provider.server import ProviderServer
@@ -131,18 +131,31 @@ def start_provider_subprocess(
     log_path: Path | None = None,
     python: str = sys.executable,
 ) -> ProviderProcess:
-    """Start the provider in a child process on ``port`` (a free one when None); wait until it answers."""
+    """Start the provider in a child process on ``port`` (None: the child binds any free port); wait until
+    it listens and answers.
+
+    The port is learnt from the child itself (``--port-file``, written once it listens), never guessed: a
+    port picked here and handed over could be taken by another process first, and a readiness check
+    would then be answered by that process's server. For the same reason a port the caller chose counts
+    as ready only once the child has bound it; if another process holds it, the child exits and the start
+    fails with its exit code.
+    """
     config = config or ProviderConfig()
-    port = port or free_port(host)
-    command = [python, "-m", "testbed.provider", "--host", host, "--port", str(port), *_cli_args(config)]
-    log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
-    try:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    finally:
-        if log_path is not None:
-            log.close()  # type: ignore[union-attr]
-    handle = ProviderProcess(host, port, process)
-    deadline = time.monotonic() + startup_timeout
+    with tempfile.TemporaryDirectory(prefix="tether-provider-") as scratch:
+        port_file = Path(scratch) / "port"
+        command = [
+            python, "-m", "testbed.provider", "--host", host, "--port", str(port or 0),
+            "--port-file", str(port_file), *_cli_args(config),
+        ]  # fmt: skip
+        log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            if log_path is not None:
+                log.close()  # type: ignore[union-attr]
+        deadline = time.monotonic() + startup_timeout
+        bound = _wait_for_port_file(port_file, process, deadline, command)
+    handle = ProviderProcess(host, bound, process)
     while not handle.ready():
         if process.poll() is not None:
             raise DependencyError(
@@ -155,6 +168,25 @@ def start_provider_subprocess(
             )
         time.sleep(0.05)
     return handle
+
+
+def _wait_for_port_file(
+    port_file: Path, process: subprocess.Popen[bytes], deadline: float, command: list[str]
+) -> int:
+    """The port the child wrote once it listened; a child that exits or stays silent fails the start."""
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            return int(port_file.read_text())
+        if process.poll() is not None:
+            raise DependencyError(
+                f"simulated provider exited with {process.returncode} while starting"
+                f" (port taken, or bad options; its output goes to the log): {command}"
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise DependencyError(f"simulated provider did not listen in time: {command}")
+        time.sleep(0.02)
 
 
 class ProviderThread(ProviderHandle):

@@ -247,18 +247,30 @@ class TestbedClient:
         await self.close()
 
 
-class TestbedProcess:
-    """``python -m testbed.tools`` as a child process on a chosen port.
+def _bound_port(ready_line: str) -> int | None:
+    """The port in the child's ``ready HOST:PORT`` line; None for any other line (it failed to start)."""
+    if not ready_line.startswith("ready "):
+        return None
+    _, _, port = ready_line.strip().rpartition(":")
+    return int(port) if port.isdigit() else None
 
-    ``start()`` returns once the child printed its ready line (the port is bound); ``stop()``
-    terminates it (SIGTERM, then SIGKILL after ``grace_s``).
+
+class TestbedProcess:
+    """``python -m testbed.tools`` as a child process.
+
+    ``port=0`` (the default) lets the child bind any free port; ``start()`` returns once the child printed
+    its ready line, and :attr:`port` / :attr:`address` are then the ones it bound. Learning the port from
+    the child, instead of picking one here and handing it over, leaves no moment in which another process
+    could take it. A chosen port that another process holds fails the start (the server does not share
+    ports: ``so_reuseport`` is off). ``stop()`` terminates the child (SIGTERM, then SIGKILL after
+    ``grace_s``).
     """
 
     __test__ = False
 
     def __init__(
         self,
-        port: int,
+        port: int = 0,
         *,
         faults: Mapping[str, FaultPlan | Sequence[FaultPlan]] | None = None,
         services: Iterable[str] = SERVICES,
@@ -292,13 +304,27 @@ class TestbedProcess:
         assert self._proc.stdout is not None
         # The child prints one line once bound; readline blocks at most until the child exits.
         line = self._proc.stdout.readline()
-        if not line.startswith("ready "):
-            self.stop()
-            err = self._proc.stderr.read() if self._proc.stderr else ""
+        bound = _bound_port(line)
+        if bound is None:
+            err = self._reap_failed_start()
             raise DependencyError(
-                f"testbed process did not start on port {self.port}: {line!r} {err[-2000:]}"
+                f"testbed process did not start on port {self.port or 'any'}: {line!r} {err[-2000:]}"
             )
+        self.port = bound
+        self.address = f"127.0.0.1:{bound}"
         return self
+
+    def _reap_failed_start(self, grace_s: float = 5.0) -> str:
+        """Stop a child that did not print its ready line and return what it wrote on stderr."""
+        assert self._proc is not None
+        if self._proc.poll() is None:
+            self._proc.terminate()
+        try:
+            _, err = self._proc.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            _, err = self._proc.communicate()
+        return err or ""
 
     @property
     def pid(self) -> int:

@@ -23,7 +23,6 @@ from collections.abc import Iterator
 import pytest
 
 from actors.tools_grpc import GrpcToolPort
-from cluster.redis_server import free_port
 from runtime.ports import OutcomeClass, Settlement, ToolInvocation, ToolOutcome
 from testbed.tools import EffectKeys, FaultMode, FaultPlan, TestbedClient, TestbedProcess
 
@@ -48,14 +47,14 @@ def provision(effect_key: str, attempt: int, budget_s: float) -> ToolInvocation:
 
 @pytest.fixture
 def testbed() -> Iterator[TestbedProcess]:
-    with TestbedProcess(free_port(), provision_s=0.05) as proc:
+    with TestbedProcess(provision_s=0.05) as proc:
         yield proc
 
 
 @pytest.fixture
 def honouring_testbed() -> Iterator[TestbedProcess]:
     """A testbed whose services honour effect keys (answer a repeated key from its first delivery)."""
-    with TestbedProcess(free_port(), provision_s=0.05, effect_keys=EffectKeys.HONOUR) as proc:
+    with TestbedProcess(provision_s=0.05, effect_keys=EffectKeys.HONOUR) as proc:
         yield proc
 
 

@@ -1,12 +1,16 @@
 """A small MCP server over streamable HTTP, built with the official SDK's ``MCPServer``, for the tests that
-need a server they can stop (not a test module). Run: ``python -m tests.integration.mcp_http_server PORT``.
+need a server they can stop (not a test module). Run: ``python -m tests.integration.mcp_http_server``.
 
-Its one tool, ``echo``, is read-only and answers what it was given."""
+It binds a free port itself and prints ``listening PORT`` once it accepts connections, so the parent never
+hands it a port that another process could take first. Its one tool, ``echo``, is read-only and answers
+what it was given."""
 
 from __future__ import annotations
 
-import sys
+import asyncio
+import socket
 
+import uvicorn
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 
@@ -25,5 +29,17 @@ def build() -> MCPServer:
     return server
 
 
+async def serve() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = build().streamable_http_app(host="127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.01)
+    print(f"listening {sock.getsockname()[1]}", flush=True)
+    await serving
+
+
 if __name__ == "__main__":
-    build().run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    asyncio.run(serve())

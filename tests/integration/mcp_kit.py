@@ -8,7 +8,7 @@ import os
 import socket
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,26 +55,29 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def echo_server(timeout_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """The streamable-HTTP echo server (``mcp_http_server``) on a free port: yields its URL and process."""
-    port = free_port()
+    """The streamable-HTTP echo server (``mcp_http_server``) on a port it bound itself: yields its URL and
+    process."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.mcp_http_server", str(port)],
+        [sys.executable, "-m", "tests.integration.mcp_http_server"],
         cwd=ROOT,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the echo MCP server did not listen on {port} within {timeout_s}s")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/mcp", proc
+        assert proc.stdout is not None
+        ready: list[bytes] = []
+        reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout_s)
+        line = ready[0].decode() if ready else ""
+        if not line.startswith("listening "):
+            raise AssertionError(f"the echo MCP server did not listen within {timeout_s}s: {line!r}")
+        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp", proc
     finally:
         stop(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

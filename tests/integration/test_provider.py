@@ -11,7 +11,6 @@ from typing import Any
 import openai
 import pytest
 
-from cluster.redis_server import free_port
 from runtime.clock import FakeClock
 from testbed.provider import (
     SCENARIO_HEADER,
@@ -52,7 +51,7 @@ def headers(scenario: str, trajectory: str = "traj-1") -> dict[str, str]:
 
 @pytest.fixture
 def provider() -> Iterator[ProviderThread]:
-    with start_provider_thread(ProviderConfig(rpm=1000, tpm=1_000_000), port=free_port()) as handle:
+    with start_provider_thread(ProviderConfig(rpm=1000, tpm=1_000_000)) as handle:
         yield handle
 
 
@@ -265,7 +264,7 @@ def test_reset_clears_counters(client: openai.OpenAI, provider: ProviderThread) 
 
 @pytest.fixture
 async def server() -> AsyncIterator[ProviderServer]:
-    async with ProviderServer(ProviderConfig(), port=free_port()) as s:
+    async with ProviderServer(ProviderConfig()) as s:
         yield s
 
 
@@ -322,7 +321,7 @@ async def test_window_slides_on_the_injected_clock() -> None:
     # Given a provider on a fake clock with 1 request per minute
     clock = FakeClock()
     async with (
-        ProviderServer(ProviderConfig(rpm=1), port=free_port(), clock=clock) as server,
+        ProviderServer(ProviderConfig(rpm=1), clock=clock) as server,
         openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client,
     ):
         await client.chat.completions.create(model="m", messages=TASK, extra_headers=headers("slow:1"))
@@ -361,7 +360,7 @@ async def test_a_client_honouring_the_headers_is_never_refused(
     clock = FakeClock()
     config = ProviderConfig(rpm=30, tpm=3_000, limiter=mode, sub_window_s=sub_window_s)
     async with (
-        ProviderServer(config, port=free_port(), clock=clock) as server,
+        ProviderServer(config, clock=clock) as server,
         openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client,
     ):
         charge = None
@@ -402,7 +401,7 @@ async def test_retry_after_admits_the_retry_even_though_the_refusal_counted(mode
     # Given a saturated key whose refusals cost a request
     clock = FakeClock()
     async with (
-        ProviderServer(ProviderConfig(rpm=2, limiter=mode), port=free_port(), clock=clock) as server,
+        ProviderServer(ProviderConfig(rpm=2, limiter=mode), clock=clock) as server,
         openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client,
     ):
         for _ in range(3):
@@ -424,7 +423,7 @@ async def test_refusals_count_against_the_minute(count_rejected: bool) -> None:
     clock = FakeClock()
     config = ProviderConfig(rpm=3, sub_window_s=0, count_rejected=count_rejected)
     async with (
-        ProviderServer(config, port=free_port(), clock=clock) as server,
+        ProviderServer(config, clock=clock) as server,
         openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client,
     ):
 
@@ -457,7 +456,7 @@ async def test_forced_429_fault_is_a_rate_limit_with_its_retry_after(server: Pro
 
 
 async def test_api_key_is_enforced_when_configured() -> None:
-    async with ProviderServer(ProviderConfig(api_key="secret"), port=free_port()) as server:
+    async with ProviderServer(ProviderConfig(api_key="secret")) as server:
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key="wrong", max_retries=0) as client:
             with pytest.raises(openai.AuthenticationError):
                 await client.chat.completions.create(model="m", messages=TASK)
@@ -473,7 +472,7 @@ def test_cli_subprocess_serves_the_protocol_and_stops() -> None:
     config = ProviderConfig(
         rpm=100, tpm=50_000, ttft_ms=1.0, tokens_per_s=1000.0, limiter=LimiterMode.TOKEN_BUCKET
     )
-    with start_provider_subprocess(config, port=free_port()) as process:
+    with start_provider_subprocess(config) as process:
         with openai.OpenAI(base_url=process.base_url, api_key="k", max_retries=0) as client:
             # When a client calls it
             reply = client.chat.completions.create(model="m", messages=TASK, extra_headers=headers("slow:3"))

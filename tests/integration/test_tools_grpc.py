@@ -4,6 +4,7 @@ the testbed's independent ledger as the judge."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -22,7 +23,6 @@ from actors.tools_grpc import (
     ToolServer,
     ToolSpec,
 )
-from cluster.redis_server import free_port
 from runtime.ports import OutcomeClass, Settlement, ToolInvocation, ToolPort
 from testbed.tools import FaultMode, FaultPlan, Testbed, TestbedClient, TestbedProcess, start_testbed
 
@@ -230,8 +230,11 @@ async def test_unrouted_tool_and_past_deadline_are_local_refusals(
 
 
 async def test_unreachable_service_is_not_sent_and_counts_as_infrastructure_failure() -> None:
-    async with GrpcToolPort({"provision_env": f"127.0.0.1:{free_port()}"}) as p:
-        outcome = await p.invoke(provision("ek-1", budget_s=5))
+    # a port held bound but never listening: a connection is refused, and no other process can take it
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        async with GrpcToolPort({"provision_env": f"127.0.0.1:{held.getsockname()[1]}"}) as p:
+            outcome = await p.invoke(provision("ek-1", budget_s=5))
     assert (outcome.settlement, outcome.outcome_class) == (
         Settlement.ESTABLISHED_ABSENT,
         OutcomeClass.INFRASTRUCTURE_FAILURE,
@@ -403,7 +406,7 @@ async def test_faults_set_at_start_and_cleared_over_rpc() -> None:
 
 async def test_testbed_runs_as_a_subprocess_with_faults_from_the_command_line() -> None:
     # Given `python -m testbed.tools` started with a malformed-payload fault on the notifier
-    with TestbedProcess(free_port(), faults={"notifier": FaultPlan(mode=FaultMode.MALFORMED)}) as proc:
+    with TestbedProcess(faults={"notifier": FaultPlan(mode=FaultMode.MALFORMED)}) as proc:
         async with GrpcToolPort({}, default_address=proc.address) as p, TestbedClient(proc.address) as c:
             # When one call goes to the faulty service and one to a healthy one
             note = await p.invoke(invocation("send_notification", {"recipient": "a", "message": "b"}, "ek-n"))
