@@ -62,7 +62,7 @@ def request(
 
 @pytest.fixture
 async def server() -> AsyncIterator[ProviderServer]:
-    async with ProviderServer(ProviderConfig(rpm=1000, tpm=1_000_000), port=free_port()) as s:
+    async with ProviderServer(ProviderConfig(rpm=1000, tpm=1_000_000)) as s:
         yield s
 
 
@@ -304,7 +304,7 @@ async def test_other_4xx_is_not_retryable(model: Model) -> None:
 async def test_the_api_key_goes_with_every_call_and_a_wrong_one_is_not_retryable() -> None:
     # Given a provider that answers only requests carrying its key (``Authorization: Bearer``)
     config = ProviderConfig(rpm=1000, tpm=1_000_000, api_key="sk-tether-test")
-    async with ProviderServer(config, port=free_port()) as server:
+    async with ProviderServer(config) as server:
         right = OpenAIModel(base_url=server.base_url, api_key="sk-tether-test")
         wrong = OpenAIModel(base_url=server.base_url, api_key="sk-someone-else")
         try:

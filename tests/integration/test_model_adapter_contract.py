@@ -28,7 +28,6 @@ from aiohttp import web
 from actors.model_client import ModelTarget, RayModelClient, node_client
 from actors.model_openai import CallObserved, ModelCallFailed, OpenAIModel, estimate_prompt_tokens
 from actors.provider_tally import RedisProviderTally, read_provider_tallies
-from cluster.redis_server import free_port
 from runtime.errors import DependencyError, ProviderRateLimited
 from runtime.ports import CancelToken, ModelRequest, StopReason, Usage
 
@@ -176,10 +175,9 @@ async def base_url() -> AsyncIterator[str]:
     app.router.add_post("/v1/chat/completions", dispatch)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = web.TCPSite(runner, "127.0.0.1", 0)  # any free port, learnt from the bound socket
     await site.start()
-    yield f"http://127.0.0.1:{port}/v1"
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
     await runner.cleanup()
 
 
