@@ -45,6 +45,7 @@ __all__ = [
     "damon_state",
     "environment",
     "git_commit",
+    "mem_available_mb",
     "percentile",
     "provenance",
     "result_path",
@@ -207,6 +208,11 @@ def _meminfo_mb(field: str) -> int:
     except OSError:
         pass
     return -1
+
+
+def mem_available_mb() -> int:
+    """The kernel's ``MemAvailable`` in MB (-1 where it cannot be read)."""
+    return _meminfo_mb("MemAvailable")
 
 
 def _cpu_ticks(stat: Path) -> list[int] | None:

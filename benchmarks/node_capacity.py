@@ -74,6 +74,7 @@ from benchmarks._common import (
     MIN_RUNS,
     busy_times,
     calibration,
+    mem_available_mb,
     provenance,
     result_path,
     spread,
@@ -204,14 +205,6 @@ def cpu_rates(before: dict[str, float], after: dict[str, float], seconds: float)
         "switches_per_s": round((after["switches"] - before["switches"]) / seconds, 1),
         "main_switches_per_s": round((after["main_switches"] - before["main_switches"]) / seconds, 1),
     }
-
-
-def mem_available_mb() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) // 1024
-    return -1
 
 
 # ----------------------------------------------------------------------------- actors
@@ -383,7 +376,11 @@ class Fleet:
         self.runs: list[Any] = []
 
     def launch(
-        self, prefix: str, hibernate_after_s: float | None = None, scenario: str = "finish_after:100000"
+        self,
+        prefix: str,
+        hibernate_after_s: float | None = None,
+        scenario: str = "finish_after:100000",
+        supervision: Any = None,
     ) -> str:
         from actors.launch import CheckLaunch, ProviderLaunch
         from actors.trajectory import TrajectoryLaunch, ensure_actor, save_launch
@@ -406,6 +403,7 @@ class Fleet:
             completion_check=CheckLaunch(name="always"),
             hibernate_after_s=hibernate_after_s,
             tool_timeout_s=600.0,
+            supervision=supervision,
         )
         save_launch(self.redis_url, launch)
         self.runs.append(ensure_actor(launch, self.adapters).run.remote())
@@ -728,6 +726,65 @@ def run_max_live(s: Settings, cap: int, out: Path) -> dict[str, Any]:
     finally:
         ray.shutdown()
     return result(runs)
+
+
+# ----------------------------------------------------------------------------- 7. live trajectories on time
+
+
+def run_on_time(s: Settings, steps: Sequence[int], out: Path) -> dict[str, Any]:
+    """Part 7 alone (``--only on_time``, ``benchmarks/_on_time.py``): ``s.runs`` sweeps through ``steps``,
+    the result written after each. Ray gets the largest step's slots, as the max_live probe does."""
+    from actors.incarnation import default_trajectory_slots
+    from benchmarks._on_time import ON_TIME_S, SLEEP_S, TICK_S, WINDOW_PERIODS, largest_on_time
+    from cluster.runner import start_local_ray
+
+    sleep_s = 2.0 if s.quick else SLEEP_S
+    before = calibration()
+    settings = {**s.__dict__, "steps": list(steps), "sleep_s": sleep_s, "window_periods": WINDOW_PERIODS}
+    runs: list[dict[str, Any]] = []
+
+    def result() -> dict[str, Any]:
+        largest = [float(largest_on_time(r["rows"])) for r in runs]
+        part = {
+            "largest_on_time": spread(largest, 0) if runs else None,
+            "on_time_s": ON_TIME_S,
+            "tick_s": TICK_S,
+            "default_trajectory_slots": default_trajectory_slots(),
+            "runs": [{k: v for k, v in r.items() if k != "tids"} for r in runs],
+            "what": (
+                f"each turn one model call, then the sleep tool for sleep_s; at each step of live "
+                f"trajectories (started {PROBE_BATCH} at a time), after one settling sleep, a window of "
+                f"window_periods sleeps: lateness_s = time between two consecutive turn starts inside the "
+                "window (server time of their log appends) minus sleep_s, over every such pair; silent = "
+                "live trajectories that started no turn in the window; floor_late_s = how late one bare "
+                f"async Ray actor's {TICK_S} s sleeps woke in the same window; on_time = lateness p99 <= "
+                "on_time_s and none silent; largest_on_time = the largest step up to which every step "
+                "was on time"
+            ),
+        }
+        return {"runs": len(runs), "only": "on_time", "on_time": part, **provenance(settings, before)}
+
+    start_local_ray(num_cpus=2, trajectory_slots=max(steps))
+    try:
+        with tempfile.TemporaryDirectory(prefix="tether-capacity-") as tmp:
+            for i in range(s.runs):
+                progress(f"run {i + 1}/{s.runs}: sweeping {list(steps)} live trajectories")
+                runs.append(asyncio.run(_one_sweep(Path(tmp) / f"run-{i}", steps, sleep_s)))
+                write_json(out.stem, result(), out.parent)
+    finally:
+        ray.shutdown()
+    return result()
+
+
+async def _one_sweep(workdir: Path, steps: Sequence[int], sleep_s: float) -> dict[str, Any]:
+    from benchmarks._on_time import sweep
+
+    workdir.mkdir(parents=True)
+    async with fleet_services(workdir) as fleet:
+        found = await sweep(fleet, steps, sleep_s, PROBE_BATCH, PROBE_BATCH_TIMEOUT_S, progress)
+        stop_trajectories(found["tids"])
+        await asyncio.sleep(5.0)
+    return found
 
 
 # ----------------------------------------------------------------------------- 4. hibernation
@@ -1171,7 +1228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=None, help=f"repetitions (at least {MIN_RUNS})")
     parser.add_argument(
         "--only",
-        choices=["scheduler", "memory", "hibernation", "idle", "max_live"],
+        choices=["scheduler", "memory", "hibernation", "idle", "max_live", "on_time"],
         default=None,
         help="run one part alone; writes node_capacity.<part>.json beside (never over) the headline file",
     )
@@ -1179,6 +1236,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hibernated", type=int, default=None, help="trajectories hibernated and woken")
     parser.add_argument("--idle", type=int, default=None, help="idle trajectories (--only idle)")
     parser.add_argument("--cap", type=int, default=600, help="most processes a ramp starts (--only max_live)")
+    parser.add_argument(
+        "--steps",
+        default=None,
+        help="comma list of live counts the on_time sweep observes (default 32,64,...,256; --quick 4,8)",
+    )
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     if args.runs is not None:
@@ -1217,6 +1279,21 @@ def main(argv: list[str] | None = None) -> None:
         result = run_max_live(settings, args.cap, out)  # written after every run, the last one included
         print(out)
         print({k: result["max_live"][k] for k in ("live_trajectories", "turned_again", "live_bare_actors")})
+        return
+    if args.only == "on_time":
+        from benchmarks._on_time import STEPS
+
+        try:
+            steps = sorted({int(x) for x in args.steps.split(",")}) if args.steps else None
+        except ValueError:
+            parser.error(f"--steps must be a comma list of counts, not {args.steps!r}")
+        if steps is not None and (not steps or steps[0] < 1):
+            parser.error("--steps must be counts >= 1")
+        steps = steps or ([4, 8] if settings.quick else list(STEPS))
+        out = out.with_name(f"{out.stem}.on_time.json")
+        result = run_on_time(settings, steps, out)  # written after every run
+        print(out)
+        print({"largest_on_time": result["on_time"]["largest_on_time"]})
         return
     if args.only == "hibernation":
         result = run_hibernation(settings)

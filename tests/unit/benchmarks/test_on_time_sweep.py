@@ -1,0 +1,72 @@
+"""The on-time sweep's arithmetic (``benchmarks/_on_time.py``): turn periods inside the window, lateness,
+silent trajectories, and the largest count that was on time."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks._on_time import (
+    ON_TIME_S,
+    SCRIPT_TURNS,
+    entry_ms,
+    largest_on_time,
+    summarise_step,
+    sweep_scenario,
+    tolerant_supervision,
+    turn_periods_s,
+)
+
+
+def test_a_stream_id_gives_the_server_time_in_ms() -> None:
+    assert entry_ms(b"1796694757597-3") == 1796694757597
+    assert entry_ms("17-0") == 17
+
+
+def test_only_turns_that_both_start_inside_the_window_make_a_period() -> None:
+    # turn starts at 0, 20.5, 41, 61.2 s; the window holds the middle two and the last
+    starts = [0, 20_500, 41_000, 61_200]
+    assert turn_periods_s(starts, 10_000, 70_000) == [20.5, 20.2]
+    assert turn_periods_s(starts, 10_000, 30_000) == []
+
+
+def test_a_step_counts_lateness_beyond_the_sleep_and_the_silent_ones() -> None:
+    starts = {
+        "on-time": [0, 20_100, 40_150, 60_200],
+        "late": [0, 22_000, 44_000],
+        "silent": [-5_000],  # its last turn began before the window
+    }
+    row = summarise_step(3, starts, (0, 60_200), 20.0, [0.001, 0.002])
+    assert row["periods"] == 5
+    assert row["silent"] == 1
+    assert row["lateness_s"]["max"] == pytest.approx(2.0)
+    assert row["lateness_s"]["p50"] == pytest.approx(0.1)
+    assert row["on_time"] is False  # one silent, and a turn 2 s late
+
+
+def test_a_step_is_on_time_when_its_p99_is_within_the_bound_and_none_is_silent() -> None:
+    starts = {f"t{i}": [0, 20_050, 40_100] for i in range(4)}
+    assert summarise_step(4, starts, (0, 40_100), 20.0, [])["on_time"] is True
+    late = {**starts, "t0": [0, int((20.0 + ON_TIME_S + 0.5) * 1000)]}
+    assert summarise_step(4, late, (0, 40_100), 20.0, [])["on_time"] is False
+
+
+def test_a_step_with_no_periods_is_not_on_time() -> None:
+    row = summarise_step(2, {"a": [10], "b": [20]}, (0, 100), 20.0, [])
+    assert row["lateness_s"]["p99"] is None and row["on_time"] is False
+
+
+def test_the_largest_on_time_count_stops_at_the_first_late_step() -> None:
+    rows = [
+        {"live": 32, "on_time": True},
+        {"live": 64, "on_time": True},
+        {"live": 96, "on_time": False},
+        {"live": 128, "on_time": True},  # on time again after a late step: not counted
+    ]
+    assert largest_on_time(rows) == 64
+    assert largest_on_time([{"live": 32, "on_time": False}]) == 0
+
+
+def test_the_scenario_and_the_watchdogs_let_every_scripted_turn_run() -> None:
+    assert sweep_scenario(20.0).count('"sleep"') == SCRIPT_TURNS
+    watchdog = tolerant_supervision().call_watchdog()
+    assert watchdog.exact_limit == SCRIPT_TURNS and watchdog.coarse_limit == SCRIPT_TURNS
