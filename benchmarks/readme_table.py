@@ -162,9 +162,36 @@ def node_capacity_max_live(d: Mapping[str, Any]) -> str:
     return (
         f"live trajectory actors held on this node, started {m['batch']} at a time until the next batch "
         f"would leave under {m['reserve_mb']:,} MB available (cap {m['cap']:,}): "
-        f"{_s(m['live_trajectories'])}, of which {_s(m['turned_again'])} took another turn afterwards; "
+        f"{_s(m['live_trajectories'])}, of which {_s(m['turned_again'])} took another turn within 3 "
+        "minutes; "
         f"{_s(m['mb_per_trajectory'], 1)} MB each; ramp {_s(m['ramp_s'], 0)} s; "
         f"floor: bare Ray actors {_s(m['live_bare_actors'])} ({_s(m['mb_per_bare_actor'], 1)} MB each)"
+    )
+
+
+def node_capacity_on_time(d: Mapping[str, Any]) -> str:
+    o = d["on_time"]
+    sleep_s = d["settings"]["sleep_s"]
+    by_live: dict[int, list[Mapping[str, Any]]] = {}
+    for run in o["runs"]:
+        for row in run["rows"]:
+            by_live.setdefault(int(row["live"]), []).append(row)
+    steps = []
+    for live, rows in sorted(by_live.items()):
+        p99 = [r["lateness_s"]["p99"] for r in rows if r["lateness_s"]["p99"] is not None]
+        silent = max(int(r["silent"]) for r in rows)
+        floor = [r["floor_late_s"]["p99"] for r in rows if r["floor_late_s"]["p99"] is not None]
+        steps.append(
+            f"{live}: {_s(spread(p99, 3), 2, ' s') if p99 else 'none'}"
+            + (f", {silent} silent" if silent else "")
+            + (f" (floor {_s(spread(floor, 3), 3, ' s')})" if floor else "")
+        )
+    return (
+        f"live trajectories served on time (each turn a model call, then a {sleep_s:.0f} s sleep; on time: "
+        f"p99 of how late the next turn starts <= {o['on_time_s']:.0f} s, none silent): "
+        f"**{_s(o['largest_on_time'])}** (declared by default: {o['default_trajectory_slots']}); "
+        "p99 lateness by live count, with a bare actor's p99 wake-up lateness as the floor: "
+        + "; ".join(steps)
     )
 
 
@@ -277,6 +304,7 @@ ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("shared_limits", shared_limits),
     ("node_capacity", node_capacity),
     ("node_capacity.max_live", node_capacity_max_live),
+    ("node_capacity.on_time", node_capacity_on_time),
     ("turn_overhead", turn_overhead),
     ("model_path", model_path),
     ("log_append", log_append),

@@ -70,3 +70,32 @@ def test_the_scenario_and_the_watchdogs_let_every_scripted_turn_run() -> None:
     assert sweep_scenario(20.0).count('"sleep"') == SCRIPT_TURNS
     watchdog = tolerant_supervision().call_watchdog()
     assert watchdog.exact_limit == SCRIPT_TURNS and watchdog.coarse_limit == SCRIPT_TURNS
+
+
+def test_the_readme_row_gives_each_step_over_runs_and_the_largest_on_time() -> None:
+    from benchmarks.readme_table import node_capacity_on_time
+
+    def row(live: int, p99: float | None, silent: int = 0) -> dict[str, object]:
+        return {
+            "live": live,
+            "silent": silent,
+            "lateness_s": {"p99": p99},
+            "floor_late_s": {"p99": 0.004},
+        }
+
+    data = {
+        "settings": {"sleep_s": 20.0},
+        "on_time": {
+            "on_time_s": 1.0,
+            "default_trajectory_slots": 128,
+            "largest_on_time": {"min": 32, "median": 64, "max": 64, "runs": 2},
+            "runs": [
+                {"rows": [row(32, 0.2), row(64, 0.9)]},
+                {"rows": [row(32, 0.4), row(64, 3.5, silent=2)]},
+            ],
+        },
+    }
+    text = node_capacity_on_time(data)
+    assert "**64 [32-64]**" in text
+    assert "32: 0.30 s [0.20-0.40] (floor 0.004 s)" in text
+    assert "64: 2.20 s [0.90-3.50], 2 silent" in text
