@@ -12,6 +12,7 @@ window of ``window_periods`` periods is observed:
   of each ``turn_started`` entry is the server's clock at the append, in ms); no poll of any trajectory runs
   during the window;
 - **silent**: live trajectories that started no turn in the whole window;
+- **parts**: where the turns' time went, from the same logs (``turn_parts_s``);
 - **floor**: one bare async Ray actor in the same window sleeping ``TICK_S`` in a loop, and how late each
   wake-up was: what any process on the node waits for a CPU at that count, with no work of Tether's;
 - the machine's CPU busy share and load over the window.
@@ -40,6 +41,7 @@ SLEEP_S = 20.0
 WINDOW_PERIODS = 5  # window = this many sleeps; about 4 turn periods per trajectory inside it
 SCRIPT_TURNS = 200  # the scenario's length (it travels in a request header, so it cannot grow much)
 TICK_S = 0.5
+PARTS = ("sleep_overrun", "next_turn", "model")
 
 
 def sweep_scenario(sleep_s: float) -> str:
@@ -79,25 +81,57 @@ def turn_periods_s(turn_starts_ms: Sequence[int], start_ms: int, end_ms: int) ->
     return [(b - a) / 1000.0 for a, b in itertools.pairwise(inside)]
 
 
+def turn_parts_s(
+    log: Sequence[tuple[str, int]], start_ms: int, end_ms: int, sleep_s: float
+) -> dict[str, list[float]]:
+    """Where the turns' time went, from one trajectory's log as ``(event kind, server ms)`` in order, for the
+    steps that ended inside the window:
+
+    - ``sleep_overrun``: tool result accepted minus its dispatch intent minus ``sleep_s`` (the actor's
+      event loop woke late from the sleep, or the result's append waited);
+    - ``next_turn``: turn started minus the tool result before it (deciding and admitting the next turn);
+    - ``model``: model call settled minus its intent (the call through the node's model client actor and the
+      provider, and the settlement's append).
+    """
+    parts: dict[str, list[float]] = {name: [] for name in PARTS}
+    last: dict[str, int] = {}
+    for kind, ms in log:
+        inside = start_ms <= ms <= end_ms
+        if kind == "tool_result_accepted" and "tool_dispatch_intent" in last and inside:
+            parts["sleep_overrun"].append((ms - last["tool_dispatch_intent"]) / 1000.0 - sleep_s)
+        elif kind == "turn_started" and "tool_result_accepted" in last and inside:
+            parts["next_turn"].append((ms - last["tool_result_accepted"]) / 1000.0)
+        elif kind == "model_call_settled" and "model_call_intent" in last and inside:
+            parts["model"].append((ms - last["model_call_intent"]) / 1000.0)
+        last[kind] = ms
+    return parts
+
+
 def summarise_step(
     live: int,
-    starts_ms: Mapping[str, Sequence[int]],
+    logs: Mapping[str, Sequence[tuple[str, int]]],
     window_ms: tuple[int, int],
     sleep_s: float,
     ticks_late_s: Sequence[float],
 ) -> dict[str, Any]:
-    """One step's row: the lateness of every observed turn period, the silent trajectories, the floor."""
+    """One step's row: the lateness of every observed turn period, the silent trajectories, where the turns'
+    time went, and the floor."""
     lateness: list[float] = []
+    parts: dict[str, list[float]] = {name: [] for name in PARTS}
     silent = 0
-    for starts in starts_ms.values():
+    for log in logs.values():
+        starts = [ms for kind, ms in log if kind == "turn_started"]
         if not any(window_ms[0] <= t <= window_ms[1] for t in starts):
             silent += 1
         lateness += [period - sleep_s for period in turn_periods_s(starts, *window_ms)]
+        for name, values in turn_parts_s(log, *window_ms, sleep_s).items():
+            parts[name] += values
     row: dict[str, Any] = {
         "live": live,
         "periods": len(lateness),
         "silent": silent,
         "lateness_s": _quantiles(lateness),
+        "parts_s": {name: _quantiles(values) for name, values in parts.items()},
         "floor_late_s": _quantiles(ticks_late_s),
     }
     p99 = row["lateness_s"]["p99"] if lateness else None
@@ -143,18 +177,15 @@ class Ticker:
         return late
 
 
-async def turn_starts_ms(redis: Any, tids: Sequence[str]) -> dict[str, list[int]]:
-    """Each trajectory's ``turn_started`` entries: the server time of their append (ms)."""
+async def read_logs(redis: Any, tids: Sequence[str]) -> dict[str, list[tuple[str, int]]]:
+    """Each trajectory's log as ``(event kind, server time of its append in ms)``, in order."""
     from cluster.log_store import FIELD, log_key
     from runtime.codec import decode
-    from runtime.events import TurnStarted
 
-    out: dict[str, list[int]] = {}
+    out: dict[str, list[tuple[str, int]]] = {}
     for tid in tids:
         entries = await redis.xrange(log_key(tid))
-        out[tid] = [
-            entry_ms(eid) for eid, fields in entries if isinstance(decode(fields[FIELD]), TurnStarted)
-        ]
+        out[tid] = [(decode(fields[FIELD]).kind, entry_ms(eid)) for eid, fields in entries]
     return out
 
 
@@ -197,7 +228,7 @@ async def sweep(
             await asyncio.sleep(window_s)
             window = (window[0], int(time.time() * 1000))
             ticks_late: list[float] = await asyncio.wrap_future(ticks.future())
-            row = summarise_step(len(tids), await turn_starts_ms(redis, tids), window, sleep_s, ticks_late)
+            row = summarise_step(len(tids), await read_logs(redis, tids), window, sleep_s, ticks_late)
             row.update(
                 cpu_busy=tick_share(busy_before, busy_times()),
                 load1=round(os.getloadavg()[0], 2),
@@ -208,8 +239,9 @@ async def sweep(
             late, floor = row["lateness_s"], row["floor_late_s"]
             progress(
                 f"{row['live']} live: lateness p50 {late['p50']} s, p99 {late['p99']} s over "
-                f"{row['periods']} turns, {row['silent']} silent; floor p99 {floor['p99']} s, "
-                f"CPU busy {row['cpu_busy']}"
+                f"{row['periods']} turns, {row['silent']} silent; p99 of its parts "
+                + ", ".join(f"{name} {v['p99']} s" for name, v in row["parts_s"].items())
+                + f"; floor p99 {floor['p99']} s, CPU busy {row['cpu_busy']}"
             )
     finally:
         await redis.aclose()

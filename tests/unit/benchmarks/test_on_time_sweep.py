@@ -13,6 +13,7 @@ from benchmarks._on_time import (
     summarise_step,
     sweep_scenario,
     tolerant_supervision,
+    turn_parts_s,
     turn_periods_s,
 )
 
@@ -29,13 +30,24 @@ def test_only_turns_that_both_start_inside_the_window_make_a_period() -> None:
     assert turn_periods_s(starts, 10_000, 30_000) == []
 
 
+def _turns(starts_ms: list[int]) -> list[tuple[str, int]]:
+    """A log whose turns start at ``starts_ms``: each a 40 ms model call, then its sleep dispatched."""
+    log: list[tuple[str, int]] = []
+    for ms in starts_ms:
+        if log:
+            log.append(("tool_result_accepted", ms))
+        log += [("turn_started", ms), ("model_call_intent", ms), ("model_call_settled", ms + 40)]
+        log.append(("tool_dispatch_intent", ms + 40))
+    return log
+
+
 def test_a_step_counts_lateness_beyond_the_sleep_and_the_silent_ones() -> None:
-    starts = {
-        "on-time": [0, 20_100, 40_150, 60_200],
-        "late": [0, 22_000, 44_000],
-        "silent": [-5_000],  # its last turn began before the window
+    logs = {
+        "on-time": _turns([0, 20_100, 40_150, 60_200]),
+        "late": _turns([0, 22_000, 44_000]),
+        "silent": _turns([-5_000]),  # its last turn began before the window
     }
-    row = summarise_step(3, starts, (0, 60_200), 20.0, [0.001, 0.002])
+    row = summarise_step(3, logs, (0, 60_200), 20.0, [0.001, 0.002])
     assert row["periods"] == 5
     assert row["silent"] == 1
     assert row["lateness_s"]["max"] == pytest.approx(2.0)
@@ -43,15 +55,32 @@ def test_a_step_counts_lateness_beyond_the_sleep_and_the_silent_ones() -> None:
     assert row["on_time"] is False  # one silent, and a turn 2 s late
 
 
+def test_the_parts_say_where_a_late_turn_waited() -> None:
+    # a 20 s sleep whose result came 1.5 s late, a next turn 0.2 s after it, a model call of 2.5 s
+    log = [
+        ("tool_dispatch_intent", 0),
+        ("tool_result_accepted", 21_500),
+        ("turn_started", 21_700),
+        ("model_call_intent", 21_700),
+        ("model_call_settled", 24_200),
+        ("tool_dispatch_intent", 24_200),
+    ]
+    parts = turn_parts_s(log, 0, 30_000, 20.0)
+    assert parts["sleep_overrun"] == [pytest.approx(1.5)]
+    assert parts["next_turn"] == [pytest.approx(0.2)]
+    assert parts["model"] == [pytest.approx(2.5)]
+    assert turn_parts_s(log, 25_000, 30_000, 20.0) == {name: [] for name in parts}  # all before the window
+
+
 def test_a_step_is_on_time_when_its_p99_is_within_the_bound_and_none_is_silent() -> None:
-    starts = {f"t{i}": [0, 20_050, 40_100] for i in range(4)}
-    assert summarise_step(4, starts, (0, 40_100), 20.0, [])["on_time"] is True
-    late = {**starts, "t0": [0, int((20.0 + ON_TIME_S + 0.5) * 1000)]}
+    logs = {f"t{i}": _turns([0, 20_050, 40_100]) for i in range(4)}
+    assert summarise_step(4, logs, (0, 40_100), 20.0, [])["on_time"] is True
+    late = {**logs, "t0": _turns([0, int((20.0 + ON_TIME_S + 0.5) * 1000)])}
     assert summarise_step(4, late, (0, 40_100), 20.0, [])["on_time"] is False
 
 
 def test_a_step_with_no_periods_is_not_on_time() -> None:
-    row = summarise_step(2, {"a": [10], "b": [20]}, (0, 100), 20.0, [])
+    row = summarise_step(2, {"a": _turns([10]), "b": _turns([20])}, (0, 100), 20.0, [])
     assert row["lateness_s"]["p99"] is None and row["on_time"] is False
 
 
