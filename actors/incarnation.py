@@ -66,7 +66,8 @@ TRAJECTORY_ACTOR_BYTES = 100 * 2**20
 # Live trajectory actors per CPU core. Every Ray worker process, a bare one as much as a trajectory, costs
 # ~0.9 % of a core while it does nothing (``node_capacity --only idle``), so on 2 cores ~230 of them take
 # all the CPU before memory runs out (the max_live probe: starting 8 more took 4 s on an empty node and
-# 78 s at 280). 64 a core keeps that idle cost near half the cores.
+# 78 s at 280). 64 a core keeps that idle cost near half the cores. Swept (``node_capacity --only on_time``,
+# a turn every 20 s): at 128 live every turn started within 1 s of its sleep's end (p99), at 160 not.
 TRAJECTORIES_PER_CORE = 64
 SLOTS_ENV = "TETHER_TRAJECTORY_SLOTS"
 _log = logging.getLogger(__name__)
