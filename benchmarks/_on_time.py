@@ -203,23 +203,15 @@ async def sweep(
     redis = aioredis.Redis.from_url(fleet.redis_url, socket_timeout=120.0)
     tids: list[str] = []
     rows: list[dict[str, Any]] = []
-    ended = "last step"
+    failed: str | None = None  # why a batch did not start
     started = time.monotonic()
     try:
         for step in steps:
-            while len(tids) < step and ended == "last step":
-                new = [
-                    fleet.launch("ontime", scenario=scenario, supervision=supervision)
-                    for _ in range(min(batch, step - len(tids)))
-                ]
+            while len(tids) < step and failed is None:
+                n = min(batch, step - len(tids))
+                new, failed = await fleet.start_working("ontime", n, scenario, batch_timeout_s, supervision)
                 tids += new
-                try:  # WAITING_TOOL: its first model call answered, now in its first sleep
-                    await fleet.wait(
-                        new, lambda st: st.state == "WAITING_TOOL", "WAITING_TOOL", timeout_s=batch_timeout_s
-                    )
-                except TimeoutError as e:
-                    ended = f"a batch did not start: {e}"
-            if ended != "last step":
+            if failed is not None:
                 break
             await asyncio.sleep(sleep_s)  # the last batch's first sleep ends inside the settling period
             busy_before = busy_times()
@@ -246,4 +238,4 @@ async def sweep(
     finally:
         await redis.aclose()
         ray.kill(ticker)
-    return {"rows": rows, "ended": ended, "tids": tids}
+    return {"rows": rows, "ended": failed or "last step", "tids": tids}

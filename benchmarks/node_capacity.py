@@ -409,6 +409,18 @@ class Fleet:
         self.runs.append(ensure_actor(launch, self.adapters).run.remote())
         return tid
 
+    async def start_working(
+        self, prefix: str, n: int, scenario: str, timeout_s: float, supervision: Any = None
+    ) -> tuple[list[str], str | None]:
+        """Launch ``n`` trajectories and wait until each is in WAITING_TOOL (its first model call answered,
+        now in its first tool call): their ids, and why not if some did not get there in ``timeout_s``."""
+        tids = [self.launch(prefix, scenario=scenario, supervision=supervision) for _ in range(n)]
+        try:
+            await self.wait(tids, lambda st: st.state == "WAITING_TOOL", "WAITING_TOOL", timeout_s=timeout_s)
+        except TimeoutError as e:
+            return tids, f"a batch did not start: {e}"
+        return tids, None
+
     async def wait(self, tids: Sequence[str], check: Any, what: str, timeout_s: float = 900.0) -> None:
         from runtime.errors import DependencyError
 
@@ -568,14 +580,8 @@ async def probe_live_trajectories(fleet: Fleet, cap: int) -> dict[str, Any]:
         reason = _ramp_stop(len(tids), mem_available_mb(), start_available, cap, 100.0)
         if reason is not None:
             break
-        batch = [fleet.launch("probe", scenario=PROBE_SCENARIO) for _ in range(PROBE_BATCH)]
+        batch, reason = await fleet.start_working("probe", PROBE_BATCH, PROBE_SCENARIO, PROBE_BATCH_TIMEOUT_S)
         tids += batch
-        try:  # WAITING_TOOL: its first model call answered, now in its first sleep
-            await fleet.wait(
-                batch, lambda st: st.state == "WAITING_TOOL", "WAITING_TOOL", timeout_s=PROBE_BATCH_TIMEOUT_S
-            )
-        except TimeoutError as e:
-            reason = f"a batch did not start: {e}"
         trace.append(
             {
                 "live": len(tids),
